@@ -1,0 +1,214 @@
+"""Structure of the pass: what is grouped, what is not, second outputs, fallbacks, annotations."""
+
+import pytest
+import tvm
+from tvm import relax
+
+import tvm_comfuse as cf
+from tvm_comfuse import workloads as wl
+from tvm_comfuse.pipeline import fusion_passes
+from tvm_comfuse.transform import GROUPS_ATTR, KIND_ATTR, ROLE_ATTR
+
+LN = ("relax.matmul", "relax.add", "relax.add", "relax.nn.layer_norm")
+
+
+def _fused(mod):
+    return [g for g in cf.analyze(mod) if g.fused]
+
+
+@pytest.mark.parametrize(
+    "norm, tail",
+    [
+        ("layer_norm", ("relax.nn.layer_norm",)),
+        ("rms_norm", ("relax.nn.rms_norm",)),
+        ("softmax", ("relax.nn.softmax",)),
+        (
+            "layer_norm_decomposed",
+            ("relax.mean", "relax.subtract", "relax.multiply", "relax.mean", "relax.add",
+             "relax.rsqrt", "relax.multiply", "relax.multiply", "relax.add"),
+        ),
+        (
+            "rms_norm_decomposed",
+            ("relax.astype", "relax.power", "relax.mean", "relax.add", "relax.rsqrt",
+             "relax.multiply", "relax.astype", "relax.multiply"),
+        ),
+    ],
+)
+def test_each_norm_forms_one_gemm_reduce_group(norm, tail):
+    groups = _fused(wl.post_norm(33, 40, 24, norm=norm))
+    assert len(groups) == 1
+    g = groups[0]
+    assert g.kind == cf.GEMM_REDUCE
+    assert g.ops == ("relax.matmul", "relax.add", "relax.add") + tail
+    assert g.gemm == (1, 33, 24, 40)
+    assert len(g.outputs) == 1
+
+
+def test_linear_form_pulls_the_weight_transpose_in():
+    (g,) = _fused(wl.post_norm(33, 40, 24, linear=True))
+    assert g.ops == ("relax.permute_dims",) + LN
+
+
+def test_batched_3d_activations():
+    (g,) = _fused(wl.post_norm(7, 40, 24, batch=3, linear=True))
+    assert g.kind == cf.GEMM_REDUCE and g.gemm == (3, 7, 24, 40)
+
+
+def test_activation_after_norm_joins_the_group():
+    (g,) = _fused(wl.post_norm(33, 40, 24, out_act="gelu"))
+    assert g.ops == LN + ("relax.nn.gelu",)
+
+
+def test_residual_read_elsewhere_becomes_a_second_output():
+    (g,) = _fused(wl.post_norm(33, 40, 24, residual_out=True))
+    assert g.ops == LN
+    assert [o.shape for o in g.outputs] == [(33, 24), (33, 24)]
+    mod = cf.FuseComputeMemory()(wl.post_norm(33, 40, 24, residual_out=True))
+    fused = [f for gv, f in mod.functions_items() if gv.name_hint == g.name][0]
+    assert len(fused.ret_ty.fields) == 2  # both the norm and the residual sum come out
+
+
+def test_activation_before_the_residual_joins_the_group():
+    (g,) = _fused(wl.post_norm(33, 40, 24, act="relu"))
+    assert g.ops == ("relax.matmul", "relax.add", "relax.nn.relu", "relax.add", "relax.nn.layer_norm")
+
+
+def test_elementwise_only_is_gemm_elementwise():
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((33, 40), "float32"))
+    w = relax.Var("w", relax.TensorType((40, 24), "float32"))
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.matmul(x, w))
+            y = bb.emit(relax.op.nn.silu(bb.emit(relax.op.multiply(y, relax.const(0.5)))))
+            out = bb.emit_output(y)
+        bb.emit_func_output(out)
+    (g,) = _fused(bb.get())
+    assert g.kind == cf.GEMM_ELEMENTWISE
+    assert g.ops == ("relax.matmul", "relax.multiply", "relax.nn.silu")
+
+
+def _single(build):
+    """A module from ``build(bb, x, w) -> output expr`` with x[33,40], w[40,24]."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((33, 40), "float32"))
+    w = relax.Var("w", relax.TensorType((40, 24), "float32"))
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            out = bb.emit_output(build(bb, x, w))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_plain_gemm_is_not_a_group():
+    assert cf.analyze(_single(lambda bb, x, w: bb.emit(relax.op.matmul(x, w)))) == []
+
+
+def test_column_reduction_stops_the_chain():
+    def build(bb, x, w):
+        y = bb.emit(relax.op.matmul(x, w))
+        return bb.emit(relax.op.sum(bb.emit(relax.op.exp(y)), axis=[0], keepdims=True))
+
+    (g,) = _fused(_single(build))
+    assert g.ops == ("relax.matmul", "relax.exp") and g.kind == cf.GEMM_ELEMENTWISE
+
+
+def test_layout_change_stops_the_chain_and_trailing_reshape_stays_outside():
+    def build(bb, x, w):
+        y = bb.emit(relax.op.nn.relu(bb.emit(relax.op.matmul(x, w))))
+        t = bb.emit(relax.op.permute_dims(y))
+        return bb.emit(relax.op.reshape(bb.emit(relax.op.exp(t)), (24 * 33,)))
+
+    (g,) = _fused(_single(build))
+    assert g.ops == ("relax.matmul", "relax.nn.relu")
+
+
+def test_a_path_leaving_and_reentering_is_not_fused_into_a_cycle():
+    def build(bb, x, w):
+        y = bb.emit(relax.op.matmul(x, w))
+        outside = bb.emit(relax.op.permute_dims(bb.emit(relax.op.permute_dims(y))))
+        return bb.emit(relax.op.nn.softmax(bb.emit(relax.op.add(y, outside)), axis=-1))
+
+    mod = _single(build)
+    assert _fused(mod) == []  # the add reads y through an op outside the group
+    cf.FuseComputeMemory()(mod)  # and outlining does not fail
+
+
+def test_int_gemm_falls_back():
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((8, 16), "int32"))
+    w = relax.Var("w", relax.TensorType((16, 8), "int32"))
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.matmul(x, w))
+            out = bb.emit_output(bb.emit(relax.op.add(y, y)))
+        bb.emit_func_output(out)
+    assert cf.analyze(bb.get()) == []
+
+
+def test_several_groups_share_one_input():
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((33, 40), "float32"))
+    ws = [relax.Var(f"w{i}", relax.TensorType((40, 24), "float32")) for i in range(2)]
+    with bb.function("main", [x, *ws]):
+        with bb.dataflow():
+            outs = [bb.emit(relax.op.nn.softmax(bb.emit(relax.op.matmul(x, w)), axis=-1)) for w in ws]
+            out = bb.emit_output(relax.Tuple(outs))
+        bb.emit_func_output(out)
+    groups = _fused(bb.get())
+    assert [g.kind for g in groups] == [cf.GEMM_REDUCE, cf.GEMM_REDUCE]
+    assert len({g.name for g in groups}) == 2
+
+
+def _mlp(width):
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((64, 32), "float32"))
+    w1 = relax.Var("w1", relax.TensorType((32, width), "float32"))
+    w2 = relax.Var("w2", relax.TensorType((width, 32), "float32"))
+    with bb.function("main", [x, w1, w2]):
+        with bb.dataflow():
+            h = bb.emit(relax.op.nn.gelu(bb.emit(relax.op.matmul(x, w1))))
+            out = bb.emit_output(bb.emit(relax.op.matmul(h, w2)))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_b2b_detected_when_narrow_and_left_to_vanilla():
+    groups = cf.analyze(_mlp(128))
+    b2b = [g for g in groups if g.kind == cf.B2B_GEMM]
+    assert len(b2b) == 1 and not b2b[0].fused and b2b[0].note
+    assert b2b[0].ops == ("relax.matmul", "relax.nn.gelu", "relax.matmul")
+    assert [g.kind for g in groups if g.fused] == [cf.GEMM_ELEMENTWISE]
+    kinds = {str(v) for v in dict(cf.FuseComputeMemory()(_mlp(128)).attrs[GROUPS_ATTR]).values()}
+    assert kinds == {cf.GEMM_ELEMENTWISE}
+
+
+def test_b2b_not_detected_when_the_intermediate_is_wide():
+    assert [g.kind for g in cf.analyze(_mlp(1024))] == [cf.GEMM_ELEMENTWISE]
+
+
+def test_analyze_does_not_change_the_module():
+    mod = wl.post_norm(33, 40, 24, linear=True, residual_out=True)
+    before = mod.script()
+    cf.analyze(mod)
+    assert mod.script() == before
+
+
+def test_pass_is_idempotent():
+    once = cf.FuseComputeMemory()(wl.post_norm(33, 40, 24))
+    twice = cf.FuseComputeMemory()(once)
+    assert twice.script() == once.script()
+
+
+def test_fused_primfunc_is_annotated_with_kind_and_roles():
+    mod = tvm.transform.Sequential(fusion_passes())(wl.post_norm(33, 40, 24, linear=True))
+    (name,) = mod.attrs[GROUPS_ATTR].keys()
+    func = mod[str(name)]
+    assert str(func.attrs[KIND_ATTR]) == cf.GEMM_REDUCE
+    roles = dict(cf.transform.block_roles(func))
+    sch = tvm.s_tir.Schedule(func)
+    blocks = [sch.get(rv) for rv in sch.get_child_blocks(sch.get_sblock("root"))]
+    assert {b.name_hint: str(b.annotations[ROLE_ATTR]) for b in blocks} == roles
+    order = list(roles.values())
+    assert order[0] == "prologue" and order.count("mainloop") == 1
+    assert order.index("mainloop") < order.index("epilogue") < order.index("reduction") < order.index("normalize")

@@ -1,0 +1,21 @@
+"""CUDA code generation for sm_90 without a GPU: the fused groups' kernels compile with nvcc."""
+
+import pytest
+
+import tvm_comfuse as cf
+from tvm_comfuse import codegen, runtime
+from tvm_comfuse import workloads as wl
+
+pytestmark = pytest.mark.skipif(not codegen.have_nvcc(), reason="nvcc is not installed")
+
+
+@pytest.mark.parametrize("dtype, norm", [("float16", "layer_norm"), ("bfloat16", "rms_norm"), ("float32", "softmax")])
+def test_gemm_reduce_cuda_compiles_with_nvcc(dtype, norm):
+    mod = wl.post_norm(100, 72, 40, dtype, norm, linear=True, residual_out=True)
+    (group,) = [g for g in cf.analyze(mod) if g.fused]
+    ex = runtime.compile_module(mod, {"kind": "cuda", "arch": "sm_90"})
+    source = codegen.cuda_source(ex)
+    kernels = codegen.kernel_names(source)
+    assert any(k.startswith(group.name + "_kernel") for k in kernels), kernels
+    cubin = codegen.compile_with_nvcc(source, "sm_90")
+    assert len(cubin) > 0 and cubin[:4] == b"\x7fELF"

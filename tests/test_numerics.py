@@ -1,0 +1,74 @@
+"""Numerics on ``llvm``: every pattern, built with get_pipeline, against a float64 reference.
+
+Shapes are deliberately not multiples of 8/16/64. Tolerances (max abs error of outputs of
+magnitude ~1-4 against NumPy float64, fresh random inputs per case):
+float32 1e-4; float16 3e-2; bfloat16 1.5e-1 (8 mantissa bits). In half precision ComFuse
+accumulates the GEMM in float32, so it must also be at least as accurate as vanilla TVM.
+"""
+
+import zlib
+
+import numpy as np
+import pytest
+import tvm
+
+import tvm_comfuse as cf
+from tvm_comfuse import runtime as rt
+from tvm_comfuse import workloads as wl
+
+TOL = {"float32": 1e-4, "float16": 3e-2, "bfloat16": 1.5e-1}
+
+VARIANTS = {
+    "plain": {},
+    "linear": {"linear": True},
+    "residual_out": {"residual_out": True},
+    "batched_linear": {"linear": True, "batch": 3},
+    "gelu_after": {"out_act": "gelu"},
+}
+
+
+def _errors(mod, args, ref, comfuse=True):
+    ex = rt.compile_module(mod, "llvm", comfuse=comfuse)
+    out = rt.run(ex, rt.to_device(args, rt.param_dtypes(mod), tvm.cpu()), tvm.cpu())
+    assert len(out) == len(ref)
+    for o, r in zip(out, ref):
+        assert np.isfinite(o).all()
+    return [float(np.abs(o - r.reshape(o.shape)).max()) for o, r in zip(out, ref)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("norm", wl.NORMS)
+def test_norms_match_reference(norm, dtype, request):
+    seed = zlib.crc32(request.node.name.encode())
+    mod = wl.post_norm(37, 52, 45, dtype, norm)
+    args = wl.random_inputs(mod, seed)
+    ref = wl.post_norm_reference(args, norm)
+    assert [g.kind for g in cf.analyze(mod)] == [cf.GEMM_REDUCE]
+    errors = _errors(mod, args, ref)
+    assert max(errors) <= TOL[dtype], errors
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_pattern_variants_match_reference(variant, dtype):
+    kw = VARIANTS[variant]
+    mod = wl.post_norm(19, 70, 33, dtype, "layer_norm", **kw)
+    args = wl.random_inputs(mod, seed=len(variant) * 7 + len(dtype))
+    ref = wl.post_norm_reference(args, "layer_norm", **{k: v for k, v in kw.items() if k != "batch"})
+    errors = _errors(mod, args, ref)
+    assert max(errors) <= TOL[dtype], errors
+
+
+@pytest.mark.parametrize("norm", ["layer_norm", "softmax"])
+def test_fp16_at_least_as_accurate_as_vanilla(norm):
+    mod = wl.post_norm(64, 200, 96, "float16", norm)
+    args = wl.random_inputs(mod, seed=11)
+    ref = wl.post_norm_reference(args, norm)
+    ours, vanilla = _errors(mod, args, ref), _errors(mod, args, ref, comfuse=False)
+    assert max(ours) <= max(vanilla) * 1.05 + 1e-3, (ours, vanilla)
+
+
+def test_m_equals_one():
+    mod = wl.post_norm(1, 33, 17, "float32", "rms_norm", linear=True)
+    args = wl.random_inputs(mod, seed=3)
+    assert max(_errors(mod, args, wl.post_norm_reference(args, "rms_norm", linear=True))) <= TOL["float32"]

@@ -1,0 +1,1 @@
+"""The ``comfuse`` command: a thin layer over the library (one module per subcommand)."""

@@ -1,0 +1,46 @@
+"""Compile a Relax module with or without ComFuse and run it: the one place both are built."""
+
+from __future__ import annotations
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from .pipeline import get_pipeline
+from .target import parse_target
+
+
+def compile_module(mod: tvm.IRModule, target, comfuse: bool = True, database=None):
+    """``tvm.compile`` with ComFuse's pipeline, or with TVM's default one (``comfuse=False``)."""
+    target = parse_target(target)
+    pipeline = get_pipeline(target, database) if comfuse else "default"
+    return tvm.compile(mod, target=target, relax_pipeline=pipeline)
+
+
+def device_for(target) -> tvm.runtime.Device:
+    """The first device of the target's kind."""
+    return tvm.device(parse_target(target).kind.name, 0)
+
+
+def to_device(arrays, dtypes, device):
+    """NumPy arrays cast to ``dtypes`` (bf16 through ml_dtypes) as TVM tensors on ``device``."""
+    import ml_dtypes  # pylint: disable=import-outside-toplevel
+
+    out = []
+    for a, dtype in zip(arrays, dtypes):
+        a = np.asarray(a).astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
+        out.append(tvm.runtime.tensor(a, device))
+    return out
+
+
+def run(executable, inputs, device, entry: str = "main") -> list:
+    """Run ``entry`` on TVM tensors; return the outputs as float64 NumPy arrays."""
+    vm = relax.VirtualMachine(executable, device)
+    result = vm[entry](*inputs)
+    items = list(result) if isinstance(result, (tvm.ir.Array, list, tuple)) else [result]
+    return [np.asarray(r.numpy()).astype(np.float64) for r in items]
+
+
+def param_dtypes(mod: tvm.IRModule, entry: str = "main") -> list:
+    """The dtypes of ``mod[entry]``'s parameters."""
+    return [str(p.ty.dtype) for p in mod[entry].params]

@@ -1,0 +1,4 @@
+"""Relax/TIR passes: outline fusion groups (FuseComputeMemory), annotate the fused PrimFuncs."""
+
+from .annotate_blocks import ROLE_ATTR, ROLES, AnnotateFusedBlocks, block_roles
+from .fuse_compute_memory import GROUPS_ATTR, KIND_ATTR, FuseComputeMemory, analyze

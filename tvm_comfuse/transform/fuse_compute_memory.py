@@ -1,0 +1,170 @@
+"""FuseComputeMemory: outline each compute-memory fusion group into one Relax function.
+
+Run it before ``LegalizeOps``. Each group found by :mod:`tvm_comfuse.graph.analysis` becomes a
+dataflow pattern of its own (the exact operator DAG, arguments outside the group as
+wildcards) rooted at the group's sink binding; ``FuseOpsByPattern`` then outlines it into a
+``Primitive`` function that ``FuseTIR`` later turns into one PrimFunc. Using TVM's own
+partitioner means the outlining (parameters, extra outputs for intermediates read
+elsewhere, constant handling) is TVM's, and a pattern that does not match exactly is simply
+not fused: the module stays as vanilla TVM would compile it.
+
+Inside a group, a half-precision GEMM accumulates in float32 and is cast back right after
+(``astype(matmul(a, b, out_dtype="float32"), "float16")``): the tensor-core mainloop
+accumulates in fp32 anyway, and vanilla TVM's fp16 accumulation is ten times less accurate
+than PyTorch's. LayerNorm/RMSNorm/softmax likewise compute in float32 between casts (TVM
+cannot legalise a bf16 LayerNorm at all). The chain sees the same dtypes as before.
+
+The pass records ``{function name: group kind}`` in the module attribute
+``comfuse.groups`` (module attributes survive legalisation and FuseTIR) and the kind in the
+outlined function's ``comfuse.kind`` attribute; :class:`AnnotateFusedBlocks` copies both
+onto the PrimFuncs after FuseTIR.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import tvm
+from tvm import relax
+from tvm.relax.dpl import is_op, wildcard
+from tvm.relax.expr_functor import PyExprMutator, mutator
+
+from ..errors import check_module
+from ..graph import ops
+from ..graph.analysis import find_groups
+from ..graph.group import B2B_GEMM, GEMM_ELEMENTWISE, GEMM_REDUCE, KINDS
+
+GROUPS_ATTR = "comfuse.groups"
+KIND_ATTR = "comfuse.kind"
+_PATTERN_PREFIX = "comfuse."
+
+
+def _relax_functions(mod: tvm.IRModule):
+    """The user-level Relax functions of a module (outlined/primitive functions excluded)."""
+    for gv, func in mod.functions_items():
+        if not isinstance(func, relax.Function):
+            continue
+        attrs = func.attrs or {}
+        if "Primitive" in attrs or "Composite" in attrs or "Codegen" in attrs:
+            continue
+        yield gv.name_hint, func
+
+
+def _group_pattern(group, var2val):
+    """The exact dataflow pattern of ``group``, and a check that pins it to its own sink."""
+    pats = {}
+    for var in group.bindings:
+        call = var2val[var]
+        args = [pats[a] if isinstance(a, relax.Var) and a in pats else wildcard() for a in call.args]
+        pats[var] = is_op(ops.op_name(call))(*args)
+    sink = var2val[group.bindings[-1]]
+    return pats[group.bindings[-1]], (lambda ctx: ctx.matched_expr.same_as(sink))
+
+
+@mutator
+class _WidenHalfPrecision(PyExprMutator):  # pylint: disable=abstract-method
+    """Half-precision GEMMs accumulate, and normalisations compute, in float32; cast back."""
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:  # pylint: disable=arguments-renamed
+        call = super().visit_call_(call)
+        dtype = str(call.ty.dtype) if isinstance(call.ty, relax.TensorType) else ""
+        name = ops.op_name(call)
+        if dtype not in _HALF or not (name == ops.GEMM or name in ops.ROW_NORMS):
+            return call
+        if name == ops.GEMM:
+            wide = relax.op.matmul(call.args[0], call.args[1], out_dtype="float32")
+        else:
+            args = [self.builder_.emit(relax.op.astype(a, "float32")) for a in call.args]
+            wide = relax.Call(call.op, args, call.attrs)
+        return relax.op.astype(self.builder_.emit(wide), dtype)
+
+
+_HALF = ("float16", "bfloat16")
+
+
+def _plan(mod: tvm.IRModule):
+    groups = []
+    for name, func in _relax_functions(mod):
+        groups += find_groups(func, name)
+    return groups
+
+
+def _outline(mod: tvm.IRModule, groups: list, kinds) -> tuple:
+    """Outline the groups of the allowed kinds; return the module and {group index: name}."""
+    var2val = {}
+    for _, func in _relax_functions(mod):
+        var2val.update(relax.analysis.get_var2val(func))
+    patterns = []
+    for i, g in enumerate(groups):
+        if g.fused and g.kind in kinds:
+            pattern, check = _group_pattern(g, var2val)
+            patterns.append((f"{_PATTERN_PREFIX}{g.kind}.{i}", pattern, {}, check))
+    if not patterns:
+        return mod, {}
+    mod = relax.transform.FuseOpsByPattern(
+        patterns, bind_constants=False, annotate_codegen=False
+    )(mod)
+    names = {}
+    for gv, func in mod.functions_items():
+        composite = (func.attrs or {}).get("Composite") if isinstance(func, relax.Function) else None
+        if composite is not None and str(composite).startswith(_PATTERN_PREFIX):
+            kind, index = str(composite)[len(_PATTERN_PREFIX) :].rsplit(".", 1)
+            names[int(index)] = gv.name_hint
+            mod[gv] = _WidenHalfPrecision().visit_expr(func).with_attr(KIND_ATTR, kind)
+    return mod, names
+
+
+def _resolve(groups: list, names: dict) -> list:
+    """Give each group the name of its outlined function, or say why it was not outlined."""
+    out = []
+    for i, g in enumerate(groups):
+        if i in names:
+            g = replace(g, name=names[i])
+        elif g.fused:
+            g = replace(g, fused=False, note="the pattern did not match at outlining; left to vanilla fusion")
+        out.append(g)
+    return out
+
+
+def analyze(mod: tvm.IRModule) -> list:
+    """The fusion groups :func:`FuseComputeMemory` would form, without changing ``mod``.
+
+    Returns a list of :class:`~tvm_comfuse.graph.group.FusionGroup` (``kind``, ``ops``,
+    ``name`` of the function the group becomes, GEMM shape, dtypes, inputs and outputs).
+    Groups that are detected but left to vanilla fusion have ``fused=False`` and a ``note``.
+    Print them with :func:`tvm_comfuse.format_groups`.
+    """
+    check_module(mod, "analyze")
+    groups = _plan(mod)
+    _, names = _outline(mod, groups, (GEMM_REDUCE, GEMM_ELEMENTWISE))
+    return _resolve(groups, names)
+
+
+@tvm.transform.module_pass(opt_level=0, name="FuseComputeMemory")
+class FuseComputeMemory:  # pylint: disable=too-few-public-methods
+    """Outline GEMM + memory-intensive chains (bias, residual, activation, LayerNorm,
+    RMSNorm, softmax, ...) into one function each, for FuseTIR to turn into one PrimFunc.
+
+    Parameters
+    ----------
+    kinds : tuple of str
+        Group kinds to outline. ``"b2b_gemm"`` groups are detected by :func:`analyze` but not
+        outlined until a back-to-back schedule exists; their GEMM groups are outlined
+        separately.
+    """
+
+    def __init__(self, kinds=(GEMM_REDUCE, GEMM_ELEMENTWISE)):
+        unknown = [k for k in kinds if k not in KINDS]
+        if unknown:
+            raise ValueError(f"FuseComputeMemory: unknown group kind(s) {unknown}; choose from {KINDS}")
+        self.kinds = tuple(k for k in kinds if k != B2B_GEMM)
+
+    def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        """Find the groups of every Relax function and outline them (no-op without any)."""
+        groups = _plan(mod)
+        mod, names = _outline(mod, groups, self.kinds)
+        if not names:
+            return mod
+        recorded = dict(mod.attrs[GROUPS_ATTR]) if mod.attrs and GROUPS_ATTR in mod.attrs else {}
+        recorded.update({names[i]: groups[i].kind for i in names})
+        return mod.with_attr(GROUPS_ATTR, recorded)

@@ -1,0 +1,205 @@
+"""Workloads: the Relax graphs ComFuse is built for, with references to check them against.
+
+``post_norm`` builds ``norm(act(x @ w + b) + r)`` in the forms models use (LayerNorm,
+RMSNorm, softmax, their decomposed versions, PyTorch's ``linear`` weight layout, 3-D
+activations). ``bert_encoder`` exports a HuggingFace BERT encoder (random weights, built
+from a config: no download) with ``torch.export`` and imports it with TVM's PyTorch
+frontend. ``SUITE`` holds the benchmark shapes measured on the H200.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import tvm
+from tvm import relax
+
+NORMS = ("layer_norm", "rms_norm", "softmax", "layer_norm_decomposed", "rms_norm_decomposed")
+EPS = 1e-5
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One benchmark shape: ``norm(x[M,K] @ w[K,N] + b + r)``."""
+
+    name: str
+    M: int
+    K: int
+    N: int
+
+
+#: The post-norm suite (BERT/GPT projections feeding a LayerNorm), as in ../shared/anchors.
+SUITE = (
+    Shape("bert-base-attnout", 4096, 768, 768),
+    Shape("bert-base-ffn2", 4096, 3072, 768),
+    Shape("bert-large-ffn2", 4096, 4096, 1024),
+    Shape("gpt-4k-proj", 8192, 4096, 4096),
+    Shape("wide-short-k", 16384, 256, 1024),
+)
+
+
+def _norm(bb: relax.BlockBuilder, y, norm: str, gamma, beta, n: int):
+    """Emit ``norm`` of ``y`` over its last axis."""
+    op = relax.op
+    if norm == "layer_norm":
+        return bb.emit(op.nn.layer_norm(y, gamma, beta, axes=[-1], epsilon=EPS))
+    if norm == "rms_norm":
+        return bb.emit(op.nn.rms_norm(y, gamma, axes=[-1], epsilon=EPS))
+    if norm == "softmax":
+        return bb.emit(op.nn.softmax(y, axis=-1))
+    dtype = str(y.ty.dtype)
+    eps = relax.const(EPS, dtype)
+    if norm == "layer_norm_decomposed":
+        mean = bb.emit(op.mean(y, axis=[-1], keepdims=True))
+        centered = bb.emit(op.subtract(y, mean))
+        var = bb.emit(op.mean(bb.emit(op.multiply(centered, centered)), axis=[-1], keepdims=True))
+        inv = bb.emit(op.rsqrt(bb.emit(op.add(var, eps))))
+        return bb.emit(op.add(bb.emit(op.multiply(bb.emit(op.multiply(centered, inv)), gamma)), beta))
+    if norm == "rms_norm_decomposed":  # as HuggingFace's LlamaRMSNorm: in float32, cast back
+        h = bb.emit(op.astype(y, "float32"))
+        ms = bb.emit(op.mean(bb.emit(op.power(h, relax.const(2.0, "float32"))), axis=[-1], keepdims=True))
+        inv = bb.emit(op.rsqrt(bb.emit(op.add(ms, relax.const(EPS, "float32")))))
+        return bb.emit(op.multiply(bb.emit(op.astype(bb.emit(op.multiply(h, inv)), dtype)), gamma))
+    raise ValueError(f"unknown norm {norm!r}; choose from {NORMS}")
+
+
+def post_norm(
+    M: int,
+    K: int,
+    N: int,
+    dtype: str = "float32",
+    norm: str = "layer_norm",
+    *,
+    linear: bool = False,
+    batch: int | None = None,
+    act: str | None = None,
+    residual_out: bool = False,
+    out_act: str | None = None,
+) -> tvm.IRModule:
+    """``out = out_act(norm(act(x @ w + b) + r))`` as a Relax module named ``main``.
+
+    ``linear`` stores the weight as ``[N, K]`` and multiplies by ``permute_dims(w)`` (how
+    PyTorch's linear imports); ``batch`` makes ``x`` and ``r`` 3-D ``[batch, M, K]``;
+    ``residual_out`` also returns the residual sum (a second output of the group).
+    """
+    rows = (batch, M) if batch else (M,)
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((*rows, K), dtype))
+    w = relax.Var("w", relax.TensorType((N, K) if linear else (K, N), dtype))
+    b = relax.Var("b", relax.TensorType((N,), dtype))
+    r = relax.Var("r", relax.TensorType((*rows, N), dtype))
+    gamma = relax.Var("gamma", relax.TensorType((N,), dtype))
+    beta = relax.Var("beta", relax.TensorType((N,), dtype))
+    params = [x, w, b, r, gamma, beta]
+    with bb.function("main", params):
+        with bb.dataflow():
+            wk = bb.emit(relax.op.permute_dims(w)) if linear else w
+            y = bb.emit(relax.op.matmul(x, wk))
+            y = bb.emit(relax.op.add(y, b))
+            if act:
+                y = bb.emit(getattr(relax.op.nn, act)(y))
+            s = bb.emit(relax.op.add(y, r))
+            out = _norm(bb, s, norm, gamma, beta, N)
+            if out_act:
+                out = bb.emit(getattr(relax.op.nn, out_act)(out))
+            result = bb.emit_output(relax.Tuple([out, s]) if residual_out else out)
+        bb.emit_func_output(result)
+    return bb.get()
+
+
+def post_norm_reference(args: list, norm: str, *, linear=False, act=None, residual_out=False, out_act=None):
+    """NumPy float64 reference of :func:`post_norm` for inputs ``[x, w, b, r, gamma, beta]``."""
+    x, w, b, r, gamma, beta = (np.asarray(a, dtype=np.float64) for a in args)
+    y = x @ (w.T if linear else w) + b
+    y = _np_act(act, y)
+    s = y + r
+    base = norm.replace("_decomposed", "")
+    if base == "layer_norm":
+        mu = s.mean(-1, keepdims=True)
+        out = (s - mu) / np.sqrt(((s - mu) ** 2).mean(-1, keepdims=True) + EPS) * gamma + beta
+    elif base == "rms_norm":
+        out = s / np.sqrt((s**2).mean(-1, keepdims=True) + EPS) * gamma
+    else:
+        e = np.exp(s - s.max(-1, keepdims=True))
+        out = e / e.sum(-1, keepdims=True)
+    out = _np_act(out_act, out)
+    return [out, s] if residual_out else [out]
+
+
+def _np_act(act, v):
+    if act is None:
+        return v
+    if act == "relu":
+        return np.maximum(v, 0)
+    if act == "silu":
+        return v / (1 + np.exp(-v))
+    if act == "gelu":
+        return 0.5 * v * (1 + np.vectorize(math.erf)(v / math.sqrt(2)))
+    raise ValueError(f"no reference for activation {act!r}")
+
+
+def random_inputs(mod: tvm.IRModule, seed: int = 0, scale: float = 1.0) -> list:
+    """Fresh random arrays (float32 storage) for every parameter of ``mod["main"]``.
+
+    Weights-like 2-D tensors are scaled by 1/sqrt(K) so fp16 results stay in range.
+    """
+    rng = np.random.default_rng(seed)
+    out = []
+    for p in mod["main"].params:
+        shape = [int(d) for d in p.ty.shape.values]
+        a = rng.standard_normal(shape) * scale
+        if p.name == "w":
+            a /= np.sqrt(max(shape))
+        out.append(a.astype("float32"))
+    return out
+
+
+def bert_encoder(
+    layers: int = 2,
+    hidden: int = 64,
+    heads: int = 4,
+    intermediate: int | None = None,
+    batch: int = 2,
+    seq: int = 16,
+    dtype: str = "float32",
+    seed: int = 0,
+):
+    """A HuggingFace BERT encoder (random weights, no download) imported into Relax.
+
+    Returns ``(mod, params, torch_module, example_input)``: ``mod["main"]`` takes the hidden
+    states followed by ``params`` (``keep_params_as_input``), as TVM's frontend imports it.
+    Needs ``torch`` and ``transformers`` (the ``test`` extra).
+    """
+    import torch  # pylint: disable=import-outside-toplevel
+    from transformers import BertConfig, BertModel  # pylint: disable=import-outside-toplevel
+    from tvm.relax.frontend.torch import from_exported_program  # pylint: disable=import-outside-toplevel
+
+    torch.manual_seed(seed)
+    config = BertConfig(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=intermediate or 4 * hidden,
+        vocab_size=128,
+        max_position_embeddings=max(seq, 64),
+        attn_implementation="eager",
+    )
+    model = BertModel(config, add_pooling_layer=False).eval().to(getattr(torch, dtype))
+
+    class Encoder(torch.nn.Module):  # the encoder stack alone: hidden states in and out
+        def __init__(self, bert):
+            super().__init__()
+            self.encoder = bert.encoder
+
+        def forward(self, hidden_states):
+            return self.encoder(hidden_states)[0]
+
+    module = Encoder(model).eval()
+    example = torch.randn(batch, seq, hidden, dtype=getattr(torch, dtype))
+    with torch.no_grad():
+        exported = torch.export.export(module, (example,))
+    mod = from_exported_program(exported, keep_params_as_input=True)
+    mod, params = relax.frontend.detach_params(mod)
+    return mod, [p.numpy() for p in params["main"]], module, example
