@@ -19,3 +19,15 @@ def test_gemm_reduce_cuda_compiles_with_nvcc(dtype, norm):
     assert any(k.startswith(group.name + "_kernel") for k in kernels), kernels
     cubin = codegen.compile_with_nvcc(source, "sm_90")
     assert len(cubin) > 0 and cubin[:4] == b"\x7fELF"
+
+
+@pytest.mark.parametrize("norm", ["layer_norm", "softmax", "rms_norm_decomposed"])
+def test_gemm_reduce_group_is_one_kernel(norm):
+    """The ComFuse rule, not DLight's fallback, schedules the group: one launch, and the
+    normalisation's row statistics live in shared memory."""
+    mod = wl.post_norm(4096, 768, 768, "float16", norm, linear=True)
+    (group,) = [g for g in cf.analyze(mod) if g.fused]
+    source = codegen.cuda_source(runtime.compile_module(mod, {"kind": "cuda", "arch": "sm_90"}))
+    fused = [k for k in codegen.kernel_names(source) if k.startswith(group.name + "_kernel")]
+    assert len(fused) == 1, fused
+    assert "__shared__" in source and "__shfl" in source  # on-chip row tile, warp reductions

@@ -22,7 +22,7 @@ def cuda_source(executable) -> str:
 
 def kernel_names(source: str) -> list:
     """Names of the ``__global__`` functions in CUDA source, in order."""
-    return _KERNEL.findall(source)
+    return list(dict.fromkeys(_KERNEL.findall(source)))
 
 
 _KERNEL = re.compile(r"__global__\s+void\s+(?:__launch_bounds__\(\d+\)\s+)?(\w+)\s*\(")

@@ -18,6 +18,7 @@ from tvm.s_tir import dlight as dl
 from tvm.s_tir import meta_schedule as ms
 
 from .errors import ComFuseError
+from .schedule import GemmRowTile
 from .target import is_gpu, parse_target
 from .transform import AnnotateFusedBlocks, FuseComputeMemory
 
@@ -53,7 +54,8 @@ def fusion_passes():
 
 
 def schedule_passes(target: tvm.target.Target, database=None):
-    """Tuned records first, then DLight's defaults for what is still unscheduled (GPU only).
+    """Tuned records first, then the ComFuse rules for fused groups, then DLight's defaults
+    for what is still unscheduled (GPU only).
 
     CPU targets need no schedule to be correct; they compile the fused PrimFuncs as they are.
     """
@@ -63,7 +65,12 @@ def schedule_passes(target: tvm.target.Target, database=None):
     if is_gpu(target):
         passes.append(
             dl.ApplyDefaultSchedule(
-                dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()
+                GemmRowTile(),
+                dl.gpu.Matmul(),
+                dl.gpu.GEMV(),
+                dl.gpu.Reduction(),
+                dl.gpu.GeneralReduction(),
+                dl.gpu.Fallback(),
             )
         )
     return passes

@@ -6,11 +6,12 @@ import argparse
 import sys
 
 from ..errors import ComFuseError
-from . import demo
+from . import bench, demo
 
 EPILOG = """examples:
   comfuse demo                      fuse, check and generate CUDA for the demo workloads
   comfuse demo --out build/demo     also write the generated CUDA source there
+  comfuse bench                     time the post-norm suite on a GPU (writes notebooks/results/)
 """
 
 
@@ -23,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo.add_parser(sub)
+    bench.add_parser(sub)
     return parser
 
 

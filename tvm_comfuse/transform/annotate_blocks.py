@@ -5,7 +5,8 @@ module attribute ``comfuse.groups`` are copied here onto the PrimFuncs (``comfus
 and every block of such a PrimFunc gets a ``comfuse.role`` annotation that the schedule
 rules dispatch on:
 
-- ``prologue``: spatial blocks before the GEMM (the transposed weight of PyTorch's linear),
+- ``prologue``: blocks that do not depend on the GEMM (the transposed weight of PyTorch's
+  linear, casts of LayerNorm's gamma and beta),
 - ``mainloop``: the GEMM itself (the first block with a reduction axis: a group starts at
   its GEMM by construction),
 - ``epilogue``: spatial blocks after the GEMM and before the first row reduction (bias,
@@ -43,15 +44,19 @@ def block_roles(func: tirx.PrimFunc) -> list:
     """``[(block name, role)]`` for the root's child blocks of a fused group PrimFunc."""
     sch = s_tir.Schedule(func)
     roles, width, seen_reduction = [], None, False  # width: elements of the GEMM tile
+    downstream = set()  # buffers computed from the GEMM result
     for rv in sch.get_child_blocks(sch.get_sblock("root")):
         block = sch.get(rv)
         size = _numel(block.writes[0].source) if block.writes else None
-        if _is_reduction(block):
+        reads_gemm = any(r.source in downstream for r in block.reads)
+        if reads_gemm or width is None and _is_reduction(block):
+            downstream.update(w.source for w in block.writes)
+        if not reads_gemm and not (width is None and _is_reduction(block)):
+            role = "prologue"  # weight transposes, parameter casts: independent of the GEMM
+        elif _is_reduction(block):
             role = "reduction" if width is not None else "mainloop"
             seen_reduction |= width is not None
             width = size if width is None else width
-        elif width is None:
-            role = "prologue"
         elif not seen_reduction:
             role = "epilogue"
         else:

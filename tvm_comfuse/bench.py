@@ -1,0 +1,205 @@
+"""Benchmark of the post-norm suite on a GPU: ComFuse against every contender, one process.
+
+For each shape, norm and dtype, the same inputs go to: cuBLAS GEMM alone (the floor),
+PyTorch eager, torch.compile (default, and max-autotune when asked), vanilla TVM (its
+default pipeline: DLight) and ComFuse. Each contender's output is checked against a float32
+PyTorch reference before it is timed; a wrong result is reported and not timed. Two times
+per call: device time (sum of kernel durations from the CUDA profiler, so launch and VM
+overhead are excluded) and wall time (CUDA events around back-to-back calls, best of 3).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+from dataclasses import asdict, dataclass
+
+from . import workloads
+from .runtime import compile_module
+
+CONTENDERS = ("cublas_gemm", "eager", "inductor", "inductor_max_autotune", "tvm_dlight", "comfuse")
+#: Max |out - fp32 reference| accepted; LayerNorm outputs are O(1), softmax outputs O(1/N).
+TOLERANCE = {"float16": 5e-2, "bfloat16": 2e-1}
+
+
+@dataclass
+class Row:
+    """One measured (shape, norm, dtype, contender)."""
+
+    shape: str
+    M: int
+    K: int
+    N: int
+    norm: str
+    dtype: str
+    contender: str
+    max_abs_err: float | None = None
+    kernel_us: float | None = None
+    wall_us: float | None = None
+    kernels_per_call: float | None = None
+    error: str | None = None
+
+
+def _torch_postnorm(torch, x, w, b, r, g, be, norm):
+    f = torch.nn.functional
+    y = x @ w + b + r
+    n = y.shape[-1]
+    if norm == "layer_norm":
+        return f.layer_norm(y, (n,), g, be, workloads.EPS)
+    if norm == "rms_norm":
+        return f.rms_norm(y, (n,), g, workloads.EPS)
+    return torch.softmax(y, dim=-1)
+
+
+def wall_us(torch, fn, iters: int = 100) -> float:
+    """Best of 3 of the mean wall time per call over ``iters`` back-to-back calls (µs)."""
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(3):
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) / iters * 1e3)
+    return best
+
+
+def kernel_us(torch, fn, iters: int = 20) -> tuple:
+    """Device time per call (sum of CUDA kernel durations, µs) and kernels per call."""
+    from torch.profiler import ProfilerActivity, profile  # pylint: disable=import-outside-toplevel
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(e.device_time for e in events) / iters, len(events) / iters
+
+
+def _tvm_callable(torch, mod, args, comfuse: bool, target):
+    import tvm  # pylint: disable=import-outside-toplevel
+
+    ex = compile_module(mod, target, comfuse=comfuse)
+    vm = tvm.relax.VirtualMachine(ex, tvm.cuda(0))
+    tvm_args = [tvm.runtime.from_dlpack(a) for a in args]
+    f = vm["main"]
+    return lambda: f(*tvm_args), lambda: torch.from_dlpack(f(*tvm_args))
+
+
+def _contenders(torch, shape, norm, dtype, args, which, target):
+    x, w = args[0], args[1]
+    post = lambda: _torch_postnorm(torch, *args, norm)  # noqa: E731
+    out = {}
+    if "cublas_gemm" in which:
+        out["cublas_gemm"] = (lambda: x @ w, None)
+    if "eager" in which:
+        out["eager"] = (post, post)
+    for name, mode in (("inductor", None), ("inductor_max_autotune", "max-autotune-no-cudagraphs")):
+        if name in which:
+            compiled = torch.compile(lambda *a: _torch_postnorm(torch, *a, norm), mode=mode, dynamic=False)
+            out[name] = (lambda c=compiled: c(*args), lambda c=compiled: c(*args))
+    mod = workloads.post_norm(shape.M, shape.K, shape.N, dtype, norm)
+    for name, comfuse in (("tvm_dlight", False), ("comfuse", True)):
+        if name in which:
+            out[name] = lambda m=mod, c=comfuse: _tvm_callable(torch, m, args, c, target)
+    return out
+
+
+def run(shapes, norms, dtypes, which=CONTENDERS, log=print) -> list:
+    """Measure every (shape, norm, dtype, contender); return the rows."""
+    import torch  # pylint: disable=import-outside-toplevel
+    import tvm  # pylint: disable=import-outside-toplevel
+
+    target = tvm.target.Target.from_device(tvm.cuda(0))
+    rows = []
+    for shape in shapes:
+        for norm in norms:
+            for dtype in dtypes:
+                torch.manual_seed(0)
+                tdt = getattr(torch, dtype)
+                M, K, N = shape.M, shape.K, shape.N
+                args = [
+                    torch.randn(M, K, device="cuda", dtype=tdt),
+                    torch.randn(K, N, device="cuda", dtype=tdt) / K**0.5,
+                    *(torch.randn(N, device="cuda", dtype=tdt) for _ in range(1)),
+                    torch.randn(M, N, device="cuda", dtype=tdt),
+                    *(torch.randn(N, device="cuda", dtype=tdt) for _ in range(2)),
+                ]
+                ref = _torch_postnorm(torch, *[a.float() for a in args], norm)
+                for name, entry in _contenders(torch, shape, norm, dtype, args, which, target).items():
+                    row = Row(shape.name, M, K, N, norm, dtype, name)
+                    try:
+                        if callable(entry):  # a TVM build: compile now, inside the try
+                            entry = entry()
+                        fn, fn_out = entry
+                        if fn_out is not None:
+                            err = float((fn_out().float() - ref).abs().max())
+                            row.max_abs_err = round(err, 5)
+                            if not err <= TOLERANCE[dtype]:
+                                raise ValueError(f"wrong result: max abs error {err:.3g}")
+                        row.wall_us = round(wall_us(torch, fn), 2)
+                        ku, nk = kernel_us(torch, fn)
+                        row.kernel_us, row.kernels_per_call = round(ku, 2), round(nk, 2)
+                    except Exception as err_:  # pylint: disable=broad-except
+                        row.error = f"{type(err_).__name__}: {str(err_).splitlines()[0][:200] if str(err_) else ''}"
+                    rows.append(row)
+                    log(json.dumps(asdict(row)))
+    return rows
+
+
+def environment() -> dict:
+    """GPU, versions, commit and date for the results file."""
+    import torch  # pylint: disable=import-outside-toplevel
+    import tvm  # pylint: disable=import-outside-toplevel
+
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False,
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+        ).stdout.strip() or os.environ.get("COMFUSE_COMMIT", "unknown")
+    except OSError:
+        commit = os.environ.get("COMFUSE_COMMIT", "unknown")
+    return {
+        "gpu": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "tvm": tvm.__version__,
+        "python": platform.python_version(),
+        "commit": commit,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def table(rows: list) -> str:
+    """Device µs per contender (columns) per case (rows), with ComFuse's ratios."""
+    cases, cols = {}, [c for c in CONTENDERS if any(r.contender == c for r in rows)]
+    for r in rows:
+        cases.setdefault((r.shape, r.norm, r.dtype), {})[r.contender] = r
+    head = f"{'case':<38}" + "".join(f"{c[:14]:>15}" for c in cols) + f"{'vs dlight':>10}{'vs cublas':>10}"
+    lines = [head]
+    for (shape, norm, dtype), by in cases.items():
+        cells = []
+        for c in cols:
+            r = by.get(c)
+            cells.append(f"{'ERR' if r is None or r.kernel_us is None else f'{r.kernel_us:.1f}':>15}")
+        ours, dl, cb = (by.get(c) for c in ("comfuse", "tvm_dlight", "cublas_gemm"))
+        ratio = lambda a, b: f"{a.kernel_us / b.kernel_us:.2f}x" if a and b and a.kernel_us and b.kernel_us else "-"  # noqa: E731
+        lines.append(f"{shape + ' ' + norm + ' ' + dtype:<38}" + "".join(cells) + f"{ratio(dl, ours):>10}{ratio(ours, cb):>10}")
+    return "\n".join(lines)
+
+
+def save(rows: list, path: str) -> None:
+    """Write rows and the environment as JSON."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"environment": environment(), "units": "microseconds per call", "rows": [asdict(r) for r in rows]}, f, indent=1)
+

@@ -1,0 +1,52 @@
+"""``comfuse bench``: time the post-norm suite on the GPU against every contender."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+
+from .. import bench, workloads
+from ..errors import ComFuseError
+
+EXAMPLES = """examples:
+  comfuse bench                                   whole suite, LayerNorm, fp16
+  comfuse bench --norms layer_norm rms_norm softmax --dtypes float16 bfloat16
+  comfuse bench --shapes bert-base-attnout --contenders cublas_gemm comfuse
+"""
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="time ComFuse against cuBLAS, eager, torch.compile and vanilla TVM on a GPU",
+        description=bench.__doc__,
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    names = [s.name for s in workloads.SUITE]
+    p.add_argument("--shapes", nargs="+", default=names, choices=names, metavar="SHAPE", help=f"from {names}")
+    p.add_argument("--norms", nargs="+", default=["layer_norm"], choices=["layer_norm", "rms_norm", "softmax"])
+    p.add_argument("--dtypes", nargs="+", default=["float16"], choices=["float16", "bfloat16"])
+    p.add_argument(
+        "--contenders", nargs="+", default=[c for c in bench.CONTENDERS if c != "inductor_max_autotune"],
+        choices=bench.CONTENDERS, help="max-autotune is off by default: it compiles for minutes",
+    )
+    p.add_argument("--out", help="results JSON (default notebooks/results/bench-<gpu>-<date>.json)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    import tvm  # pylint: disable=import-outside-toplevel
+
+    if not tvm.cuda(0).exist:
+        raise ComFuseError("comfuse bench needs a CUDA GPU and none was found; run it on the GPU machine.")
+    shapes = [s for s in workloads.SUITE if s.name in args.shapes]
+    rows = bench.run(shapes, args.norms, args.dtypes, tuple(args.contenders))
+    print(bench.table(rows))
+    out = args.out or os.path.join(
+        "notebooks", "results", f"bench-{tvm.cuda(0).device_name.replace(' ', '_')}-{datetime.date.today()}.json"
+    )
+    bench.save(rows, out)
+    print(f"results: {out}")
+    return 0 if not any(r.error for r in rows if r.contender == "comfuse") else 1

@@ -1,0 +1,91 @@
+"""The ``gemm_reduce`` / ``gemm_elementwise`` rule: GEMM mainloop + row epilogue in one kernel.
+
+A CTA owns ``bm`` whole rows of the GEMM result. The epilogue chain up to the *row tile* (the
+last elementwise result the reductions read: the residual sum before LayerNorm) is applied
+to the accumulators as they are written back, into shared memory; the reductions and the
+normalisation then run on that tile (see :mod:`.row_epilogue`). Only the group's outputs
+reach global memory.
+
+Applies to PrimFuncs that :class:`~tvm_comfuse.transform.AnnotateFusedBlocks` marked with a
+ComFuse kind, on GPU targets, when the ``bm x N`` tile fits the target's shared memory
+(otherwise it returns None and the next rule, DLight's, schedules the function).
+"""
+
+from __future__ import annotations
+
+from tvm import s_tir, tirx
+from tvm.s_tir.dlight.base import ScheduleRule
+
+from ..graph.group import GEMM_ELEMENTWISE, GEMM_REDUCE
+from ..target import is_gpu
+from ..transform.fuse_compute_memory import KIND_ATTR
+from .blocks import copied_buffer, inline_all, output_buffers, read_blocks, writes_output
+from .config import default_config
+from .row_epilogue import schedule_row_epilogue
+from .simt_mainloop import schedule_simt_mainloop
+
+
+def _row_tile(sch: s_tir.Schedule, g):
+    """The epilogue block whose result the normalisation reads (the residual sum before a
+    LayerNorm), stepping back over pure casts; the last epilogue block if nothing reads one.
+    Everything before it is inlined into it, everything after it reads it from shared memory.
+    """
+    epilogue = [rv for rv in g.after if g.roles[sch.get(rv).name_hint] == "epilogue"]
+    if not epilogue:
+        return None
+    writer = {sch.get(rv).writes[0].source: rv for rv in epilogue}
+    read_late = [
+        r.source
+        for rv in g.after
+        if g.roles[sch.get(rv).name_hint] == "normalize"
+        for r in sch.get(rv).reads
+        if r.source in writer
+    ]
+    tile = writer[read_late[-1]] if read_late else epilogue[-1]
+    while copied_buffer(sch, tile) in writer:
+        tile = writer[copied_buffer(sch, tile)]
+    return tile
+
+
+def _static_width(sch: s_tir.Schedule, mm) -> int | None:
+    extent = sch.get(sch.get_loops(mm)[-2]).extent
+    return int(extent) if isinstance(extent, tirx.IntImm) else None
+
+
+class GemmRowTile(ScheduleRule):
+    """Schedule a fused GEMM + row epilogue group as one kernel."""
+
+    def __init__(self, kinds=(GEMM_REDUCE, GEMM_ELEMENTWISE)):
+        self.kinds = tuple(kinds)
+
+    def apply(self, func: tirx.PrimFunc, target, tunable: bool):  # pylint: disable=unused-argument
+        if not is_gpu(target) or str((func.attrs or {}).get(KIND_ATTR, "")) not in self.kinds:
+            return None
+        sch = s_tir.Schedule(func)
+        g = read_blocks(sch)
+        if g is None:
+            return None
+        n = _static_width(sch, g.mainloop)
+        in_bytes = max(r.source.dtype.bits for r in sch.get(g.mainloop).reads) // 8
+        cfg = default_config(str(target.attrs.get("arch", "")), n, in_bytes, 4) if n else None
+        if cfg is None:
+            return None
+        outputs = output_buffers(func)
+        for rv in g.prologue:
+            sch.compute_inline(rv)
+        tile = _row_tile(sch, g)
+        rest = inline_all(sch, g.after, keep=[tile] if tile is not None else [])
+        if tile is not None and not writes_output(sch, tile, outputs):
+            # the epilogue is applied to the accumulators as they are written back; an
+            # output tile (a residual the caller also reads) stays a block of its own
+            rest = [rv for rv in rest if not sch.get(rv).same_as(sch.get(tile))]
+        else:
+            tile = None
+        bx, writeback = schedule_simt_mainloop(sch, g.mainloop, cfg)
+        if tile is not None:
+            sch.reverse_compute_inline(tile)
+        if not writes_output(sch, writeback, outputs):
+            sch.set_scope(writeback, 0, "shared")
+        schedule_row_epilogue(sch, bx, rest, outputs, cfg)
+        return sch
+
