@@ -169,7 +169,8 @@ def bert_encoder(
     """A HuggingFace BERT encoder (random weights, no download) imported into Relax.
 
     Returns ``(mod, params, torch_module, example_input)``: ``mod["main"]`` takes the hidden
-    states followed by ``params`` (``keep_params_as_input``), as TVM's frontend imports it.
+    states followed by ``params`` (``keep_params_as_input``), as TVM's frontend imports it,
+    both float32; with ``dtype="float16"`` the graph computes in fp16 (TVM's mixed precision).
     Needs ``torch`` and ``transformers`` (the ``test`` extra).
     """
     import torch  # pylint: disable=import-outside-toplevel
@@ -186,7 +187,7 @@ def bert_encoder(
         max_position_embeddings=max(seq, 64),
         attn_implementation="eager",
     )
-    model = BertModel(config, add_pooling_layer=False).eval().to(getattr(torch, dtype))
+    model = BertModel(config, add_pooling_layer=False).eval()
 
     class Encoder(torch.nn.Module):  # the encoder stack alone: hidden states in and out
         def __init__(self, bert):
@@ -197,9 +198,14 @@ def bert_encoder(
             return self.encoder(hidden_states)[0]
 
     module = Encoder(model).eval()
-    example = torch.randn(batch, seq, hidden, dtype=getattr(torch, dtype))
+    example = torch.randn(batch, seq, hidden)
     with torch.no_grad():
         exported = torch.export.export(module, (example,))
     mod = from_exported_program(exported, keep_params_as_input=True)
+    if dtype != "float32":
+        # TVM 0.27's importer cannot take a half-precision addmm (it emits an fp32 matmul
+        # next to an fp16 bias), so import in fp32 and let TVM's mixed-precision pass
+        # compute in ``dtype`` with fp32 accumulation; inputs and params stay fp32.
+        mod = relax.transform.ToMixedPrecision(out_dtype=dtype)(mod)
     mod, params = relax.frontend.detach_params(mod)
     return mod, [p.numpy() for p in params["main"]], module, example

@@ -13,6 +13,8 @@ ComFuse kind, on GPU targets, when the ``bm x N`` tile fits the target's shared 
 
 from __future__ import annotations
 
+import logging
+
 from tvm import s_tir, tirx
 from tvm.s_tir.dlight.base import ScheduleRule
 
@@ -23,6 +25,8 @@ from .blocks import copied_buffer, inline_all, output_buffers, read_blocks, writ
 from .config import default_config
 from .row_epilogue import schedule_row_epilogue
 from .simt_mainloop import schedule_simt_mainloop
+
+LOG = logging.getLogger("tvm_comfuse")
 
 
 def _row_tile(sch: s_tir.Schedule, g):
@@ -61,6 +65,16 @@ class GemmRowTile(ScheduleRule):
     def apply(self, func: tirx.PrimFunc, target, tunable: bool):  # pylint: disable=unused-argument
         if not is_gpu(target) or str((func.attrs or {}).get(KIND_ATTR, "")) not in self.kinds:
             return None
+        try:
+            return self._schedule(func, target)
+        except (RuntimeError, ValueError) as err:  # ScheduleError, InternalError, failed checks
+            # a block layout the rule cannot tile (e.g. a reshape inside the chain): the
+            # next rule (DLight) schedules the function; it stays correct, only slower
+            first = str(err).strip().splitlines()[-1][:200] if str(err).strip() else type(err).__name__
+            LOG.warning("ComFuse rule did not apply to a %s group, DLight schedules it: %s", func.attrs[KIND_ATTR], first)
+            return None
+
+    def _schedule(self, func: tirx.PrimFunc, target):
         sch = s_tir.Schedule(func)
         g = read_blocks(sch)
         if g is None:
@@ -75,12 +89,12 @@ class GemmRowTile(ScheduleRule):
             sch.compute_inline(rv)
         tile = _row_tile(sch, g)
         rest = inline_all(sch, g.after, keep=[tile] if tile is not None else [])
-        if tile is not None and not writes_output(sch, tile, outputs):
-            # the epilogue is applied to the accumulators as they are written back; an
-            # output tile (a residual the caller also reads) stays a block of its own
+        if tile is not None:
             rest = [rv for rv in rest if not sch.get(rv).same_as(sch.get(tile))]
-        else:
-            tile = None
+            if writes_output(sch, tile, outputs):
+                # a residual the caller also reads: keep the tile in shared memory for the
+                # reductions and write the output with a copy block, never read it back
+                rest.insert(0, sch.cache_write(tile, 0, "shared", consumer_blocks=rest))
         bx, writeback = schedule_simt_mainloop(sch, g.mainloop, cfg)
         if tile is not None:
             sch.reverse_compute_inline(tile)
