@@ -212,3 +212,22 @@ def test_fused_primfunc_is_annotated_with_kind_and_roles():
     order = list(roles.values())
     assert order[0] == "prologue" and order.count("mainloop") == 1
     assert order.index("mainloop") < order.index("epilogue") < order.index("reduction") < order.index("normalize")
+
+
+def test_row_splitting_reshape_is_hoisted_out_of_the_group():
+    """PyTorch's 3-D linear: reshape(matmul(x2d, w) + b, [B, S, N]) + r -> LayerNorm."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((6, 40), "float32"))
+    w = relax.Var("w", relax.TensorType((40, 24), "float32"))
+    b = relax.Var("b", relax.TensorType((24,), "float32"))
+    r = relax.Var("r", relax.TensorType((2, 3, 24), "float32"))
+    g = relax.Var("g", relax.TensorType((24,), "float32"))
+    with bb.function("main", [x, w, b, r, g]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.add(bb.emit(relax.op.matmul(x, w)), b))
+            y = bb.emit(relax.op.add(bb.emit(relax.op.reshape(y, (2, 3, 24))), r))
+            out = bb.emit_output(bb.emit(relax.op.nn.rms_norm(y, g, axes=[-1])))
+        bb.emit_func_output(out)
+    (group,) = _fused(bb.get())
+    assert group.ops == ("relax.matmul", "relax.add", "relax.add", "relax.nn.rms_norm")
+    assert group.gemm == (2, 3, 24, 40)

@@ -2,3 +2,4 @@
 
 from .annotate_blocks import ROLE_ATTR, ROLES, AnnotateFusedBlocks, block_roles
 from .fuse_compute_memory import GROUPS_ATTR, KIND_ATTR, FuseComputeMemory, analyze
+from .hoist_row_reshape import HoistRowReshape

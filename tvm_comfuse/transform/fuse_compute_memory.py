@@ -1,6 +1,7 @@
 """FuseComputeMemory: outline each compute-memory fusion group into one Relax function.
 
-Run it before ``LegalizeOps``. Each group found by :mod:`tvm_comfuse.graph.analysis` becomes a
+Run it before ``LegalizeOps``. It first applies :class:`HoistRowReshape` (PyTorch's 3-D
+linear imports as a 2-D GEMM followed by a reshape), then each group found by :mod:`tvm_comfuse.graph.analysis` becomes a
 dataflow pattern of its own (the exact operator DAG, arguments outside the group as
 wildcards) rooted at the group's sink binding; ``FuseOpsByPattern`` then outlines it into a
 ``Primitive`` function that ``FuseTIR`` later turns into one PrimFunc. Using TVM's own
@@ -33,6 +34,7 @@ from ..errors import check_module
 from ..graph import ops
 from ..graph.analysis import find_groups
 from ..graph.group import B2B_GEMM, GEMM_ELEMENTWISE, GEMM_REDUCE, KINDS
+from .hoist_row_reshape import HoistRowReshape
 
 GROUPS_ATTR = "comfuse.groups"
 KIND_ATTR = "comfuse.kind"
@@ -135,6 +137,7 @@ def analyze(mod: tvm.IRModule) -> list:
     Print them with :func:`tvm_comfuse.format_groups`.
     """
     check_module(mod, "analyze")
+    mod = HoistRowReshape()(mod)
     groups = _plan(mod)
     _, names = _outline(mod, groups, (GEMM_REDUCE, GEMM_ELEMENTWISE))
     return _resolve(groups, names)
@@ -161,6 +164,7 @@ class FuseComputeMemory:  # pylint: disable=too-few-public-methods
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         """Find the groups of every Relax function and outline them (no-op without any)."""
+        mod = HoistRowReshape()(mod)
         groups = _plan(mod)
         mod, names = _outline(mod, groups, self.kinds)
         if not names:
