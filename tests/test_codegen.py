@@ -31,3 +31,22 @@ def test_gemm_reduce_group_is_one_kernel(norm):
     fused = [k for k in codegen.kernel_names(source) if k.startswith(group.name + "_kernel")]
     assert len(fused) == 1, fused
     assert "__shared__" in source and "__shfl" in source  # on-chip row tile, warp reductions
+
+
+def test_rule_leaves_a_relaid_out_tile_to_dlight():
+    """A batch-splitting reshape inside a softmax group: DLight schedules it, still compiles."""
+    from tvm import relax  # pylint: disable=import-outside-toplevel
+
+    bb = relax.BlockBuilder()
+    q = relax.Var("q", relax.TensorType((8, 64, 32), "float16"))
+    k = relax.Var("k", relax.TensorType((8, 32, 64), "float16"))
+    with bb.function("main", [q, k]):
+        with bb.dataflow():
+            s = bb.emit(relax.op.reshape(bb.emit(relax.op.matmul(q, k)), (2, 4, 64, 64)))
+            out = bb.emit_output(bb.emit(relax.op.nn.softmax(s, axis=-1)))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    (group,) = [g for g in cf.analyze(mod) if g.fused]
+    source = codegen.cuda_source(runtime.compile_module(mod, {"kind": "cuda", "arch": "sm_90"}))
+    assert any(k.startswith(group.name) for k in codegen.kernel_names(source))
+    codegen.compile_with_nvcc(source, "sm_90")

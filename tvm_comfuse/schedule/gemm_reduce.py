@@ -13,7 +13,11 @@ ComFuse kind, on GPU targets, when the ``bm x N`` tile fits the target's shared 
 
 from __future__ import annotations
 
+import functools
 import logging
+
+import tvm
+import tvm.sym
 
 from tvm import s_tir, tirx
 from tvm.s_tir.dlight.base import ScheduleRule
@@ -51,6 +55,20 @@ def _row_tile(sch: s_tir.Schedule, g):
     return tile
 
 
+def _row_layout_kept(sch: s_tir.Schedule, g) -> bool:
+    """False if a block re-lays out the GEMM tile (a reshape left inside the group): its
+    flattened indices cannot be tiled by rows, so the rule leaves such a group to DLight."""
+    tile = sch.get(g.mainloop).writes[0].source.shape
+    eq = tvm.sym.Analyzer().can_prove_equal
+    numel = lambda shape: functools.reduce(lambda a, b: a * b, shape, 1)  # noqa: E731
+    for rv in g.after:
+        shape = sch.get(rv).writes[0].source.shape
+        same = len(shape) == len(tile) and all(eq(a, b) for a, b in zip(shape, tile))
+        if not same and eq(numel(shape), numel(tile)) and not eq(shape[-1], 1):
+            return False
+    return True
+
+
 def _static_width(sch: s_tir.Schedule, mm) -> int | None:
     extent = sch.get(sch.get_loops(mm)[-2]).extent
     return int(extent) if isinstance(extent, tirx.IntImm) else None
@@ -78,6 +96,8 @@ class GemmRowTile(ScheduleRule):
         sch = s_tir.Schedule(func)
         g = read_blocks(sch)
         if g is None:
+            return None
+        if not _row_layout_kept(sch, g):
             return None
         n = _static_width(sch, g.mainloop)
         in_bytes = max(r.source.dtype.bits for r in sch.get(g.mainloop).reads) // 8

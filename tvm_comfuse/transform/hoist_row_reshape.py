@@ -1,5 +1,8 @@
-"""HoistRowReshape: move a reshape that only splits rows from after a GEMM chain to its input.
+"""HoistRowReshape: keep reshapes out of GEMM groups, where no schedule can tile them.
 
+Two rewrites, both exact:
+
+1. A reshape that only splits rows, after a 2-D GEMM chain, moves to the GEMM's input.
 PyTorch's linear on 3-D activations imports as ``reshape(add(matmul(x2d, wT), b), [B, S, N])``
 (the GEMM is 2-D, the model is 3-D). Inside a fused group that reshape would be a copy whose
 flattened indices no schedule can tile. Rewriting it as
@@ -61,12 +64,26 @@ class _Hoister(PyExprMutator):  # pylint: disable=abstract-method
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         value = binding.value
+        new = None
         if isinstance(value, relax.Call) and ops.op_name(value) == ops.RESHAPE:
             new = self._rewrite(value)
-            if new is not None:
-                self.set_var_remap(binding.var, new)  # already emitted
-                return
+        elif isinstance(value, relax.Call) and len(value.args) == 1 and ops.role_of(value) == "elementwise":
+            new = self._sink(value)
+        if new is not None:
+            self.set_var_remap(binding.var, new)  # already emitted
+            return
         super().visit_var_binding_(binding)
+
+    def _sink(self, unary: relax.Call):
+        """``op(reshape(y))`` -> ``reshape(op(y))`` when the reshape has no other user."""
+        arg = unary.args[0]
+        if not isinstance(arg, relax.Var) or self.users.get(arg, 0) != 1:
+            return None
+        reshape = self.lookup_binding(self.visit_expr(arg))
+        if not isinstance(reshape, relax.Call) or ops.op_name(reshape) != ops.RESHAPE:
+            return None
+        inner = self.builder_.emit(relax.Call(unary.op, [reshape.args[0]], unary.attrs, unary.ty_args))
+        return self.builder_.emit(relax.op.reshape(inner, reshape.args[1]))
 
     def _rewrite(self, reshape: relax.Call):
         src, dst = _shape(reshape.args[0]), _shape(reshape)
