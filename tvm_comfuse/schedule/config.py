@@ -16,9 +16,10 @@ from dataclasses import asdict, dataclass, replace
 
 #: Registers per thread we allow the fp32 accumulators to take (of 255).
 MAX_ACC_REGS = 128
-#: Shared memory per thread block (bytes), sm_80+ with the opt-in carve-out; sm_90: 227 KiB.
-SMEM_BYTES = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024, "sm_90": 227 * 1024}
-DEFAULT_SMEM = 48 * 1024
+#: Dynamic shared memory per thread block (bytes) with the opt-in carve-out; sm_90: 227 KiB.
+SMEM_DYN_BYTES = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024, "sm_90": 227 * 1024}
+#: Static ``__shared__`` arrays are capped at 48 KiB on every architecture.
+SMEM_STATIC_BYTES = 48 * 1024
 
 
 @dataclass(frozen=True)
@@ -59,11 +60,12 @@ class RowTileConfig:
         return asdict(self)
 
 
-def smem_limit(arch: str | None) -> int:
-    """Shared memory a thread block may use on ``arch`` (``sm_90a`` counts as ``sm_90``)."""
-    if not arch:
-        return DEFAULT_SMEM
-    return SMEM_BYTES.get(arch.rstrip("a"), DEFAULT_SMEM)
+def smem_limit(arch: str | None, dynamic: bool = False) -> int:
+    """Shared memory a thread block may use on ``arch`` (``sm_90a`` counts as ``sm_90``):
+    static ``shared`` scope is capped at 48 KiB, ``shared.dyn`` gets the carve-out."""
+    if not dynamic or not arch:
+        return SMEM_STATIC_BYTES
+    return SMEM_DYN_BYTES.get(arch.rstrip("a"), SMEM_STATIC_BYTES)
 
 
 def _defaults_path(arch: str) -> str | None:

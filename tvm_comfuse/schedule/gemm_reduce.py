@@ -1,4 +1,4 @@
-"""The ``gemm_reduce`` / ``gemm_elementwise`` rule: GEMM mainloop + row epilogue in one kernel.
+"""The ``gemm_reduce`` rule: GEMM mainloop + row epilogue (reductions, normalisation) in one kernel.
 
 A CTA owns ``bm`` whole rows of the GEMM result. The epilogue chain up to the *row tile* (the
 last elementwise result the reductions read: the residual sum before LayerNorm) is applied
@@ -6,6 +6,7 @@ to the accumulators as they are written back, into shared memory; the reductions
 normalisation then run on that tile (see :mod:`.row_epilogue`). Only the group's outputs
 reach global memory.
 
+``gemm_elementwise`` groups need no whole rows; DLight's matmul rule tiles them in 2-D.
 Applies to PrimFuncs that :class:`~tvm_comfuse.transform.AnnotateFusedBlocks` marked with a
 ComFuse kind, on GPU targets, when the ``bm x N`` tile fits the target's shared memory
 (otherwise it returns None and the next rule, DLight's, schedules the function).
@@ -22,7 +23,7 @@ import tvm.sym
 from tvm import s_tir, tirx
 from tvm.s_tir.dlight.base import ScheduleRule
 
-from ..graph.group import GEMM_ELEMENTWISE, GEMM_REDUCE
+from ..graph.group import GEMM_REDUCE
 from ..target import is_gpu
 from ..transform.fuse_compute_memory import KIND_ATTR
 from .blocks import copied_buffer, inline_all, output_buffers, read_blocks, writes_output
@@ -77,7 +78,7 @@ def _static_width(sch: s_tir.Schedule, mm) -> int | None:
 class GemmRowTile(ScheduleRule):
     """Schedule a fused GEMM + row epilogue group as one kernel."""
 
-    def __init__(self, kinds=(GEMM_REDUCE, GEMM_ELEMENTWISE)):
+    def __init__(self, kinds=(GEMM_REDUCE,)):
         self.kinds = tuple(kinds)
 
     def apply(self, func: tirx.PrimFunc, target, tunable: bool):  # pylint: disable=unused-argument
