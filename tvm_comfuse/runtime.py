@@ -7,14 +7,21 @@ import tvm
 from tvm import relax
 
 from .pipeline import get_pipeline
+from .schedule.lowering import PASS_CONFIG, TIR_PIPELINE
 from .target import parse_target
 
 
 def compile_module(mod: tvm.IRModule, target, comfuse: bool = True, database=None):
-    """``tvm.compile`` with ComFuse's pipeline, or with TVM's default one (``comfuse=False``)."""
+    """``tvm.compile`` with ComFuse's Relax and TIR pipelines, or TVM's defaults (``comfuse=False``).
+
+    The TIR pipeline and pass config carry the TVM 0.27 workarounds the tensor-core kernels
+    need (:mod:`tvm_comfuse.schedule.lowering`); the rest of the module lowers as usual.
+    """
     target = parse_target(target)
-    pipeline = get_pipeline(target, database) if comfuse else "default"
-    return tvm.compile(mod, target=target, relax_pipeline=pipeline)
+    if not comfuse:
+        return tvm.compile(mod, target=target, relax_pipeline="default")
+    with tvm.transform.PassContext(opt_level=3, config=PASS_CONFIG):
+        return tvm.compile(mod, target=target, relax_pipeline=get_pipeline(target, database), tir_pipeline=TIR_PIPELINE)
 
 
 def device_for(target) -> tvm.runtime.Device:

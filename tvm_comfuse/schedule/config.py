@@ -90,3 +90,20 @@ def default_config(arch: str | None, n: int, in_bytes: int, tile_bytes: int) -> 
         if cfg.fits(n, in_bytes, tile_bytes, limit):
             return cfg
     return None
+
+
+def default_mma_config(arch: str | None, n: int):
+    """The first tensor-core default for ``arch`` that fits an ``n``-wide row tile, or None."""
+    from .mma_mainloop import MmaConfig  # pylint: disable=import-outside-toplevel
+
+    candidates = []
+    path = _defaults_path(arch or "")
+    if path:
+        with open(path, encoding="utf-8") as f:
+            candidates = [MmaConfig(**c) for c in json.load(f).get("mma_row_tile", [])]
+    candidates += [
+        MmaConfig(bm=bm, bk=bk, warps_m=1, warps_n=wn, stages=st)
+        for bm, bk, wn, st in ((32, 32, 8, 3), (32, 32, 8, 2), (16, 32, 8, 3), (16, 32, 8, 2), (16, 32, 4, 2))
+    ]
+    limit = smem_limit(arch, dynamic=True)
+    return next((c for c in candidates if c.valid(n, limit)), None)

@@ -26,8 +26,9 @@ from tvm.s_tir.dlight.base import ScheduleRule
 from ..graph.group import GEMM_REDUCE
 from ..target import is_gpu
 from ..transform.fuse_compute_memory import KIND_ATTR
-from .blocks import copied_buffer, inline_all, output_buffers, read_blocks, writes_output
-from .config import default_config
+from .blocks import copied_buffer, inline_all, is_reduction, output_buffers, read_blocks, writes_output
+from .config import default_config, default_mma_config
+from .mma_mainloop import schedule_mma_mainloop
 from .row_epilogue import schedule_row_epilogue
 from .simt_mainloop import schedule_simt_mainloop
 
@@ -96,16 +97,17 @@ class GemmRowTile(ScheduleRule):
     def _schedule(self, func: tirx.PrimFunc, target):
         sch = s_tir.Schedule(func)
         g = read_blocks(sch)
-        if g is None:
-            return None
-        if not _row_layout_kept(sch, g):
+        if g is None or not _row_layout_kept(sch, g):
             return None
         n = _static_width(sch, g.mainloop)
-        in_bytes = max(r.source.dtype.bits for r in sch.get(g.mainloop).reads) // 8
-        cfg = default_config(str(target.attrs.get("arch", "")), n, in_bytes, 4) if n else None
-        if cfg is None:
+        if n is None:
             return None
+        arch = str(target.attrs.get("arch", ""))
         outputs = output_buffers(func)
+        mma = _mma_config(sch, g.mainloop, n, arch)
+        simt = None if mma else default_config(arch, n, _operand_bytes(sch, g.mainloop), 4)
+        if mma is None and simt is None:
+            return None
         for rv in g.prologue:
             sch.compute_inline(rv)
         tile = _row_tile(sch, g)
@@ -116,11 +118,57 @@ class GemmRowTile(ScheduleRule):
                 # a residual the caller also reads: keep the tile in shared memory for the
                 # reductions and write the output with a copy block, never read it back
                 rest.insert(0, sch.cache_write(tile, 0, "shared", consumer_blocks=rest))
-        bx, writeback = schedule_simt_mainloop(sch, g.mainloop, cfg)
-        if tile is not None:
-            sch.reverse_compute_inline(tile)
+        if mma is not None:
+            bx, c_tile = schedule_mma_mainloop(sch, g.mainloop, n, mma)
+            writeback = _inline_epilogue(sch, c_tile, tile)
+            _bind_flat(sch, writeback, bx, mma.warps)
+            scope, warps = "shared.dyn", mma.warps
+        else:
+            bx, writeback = schedule_simt_mainloop(sch, g.mainloop, simt)
+            if tile is not None:
+                sch.reverse_compute_inline(tile)
+            scope, warps = "shared", simt.warps
         if not writes_output(sch, writeback, outputs):
-            sch.set_scope(writeback, 0, "shared")
-        schedule_row_epilogue(sch, bx, rest, outputs, cfg)
+            sch.set_scope(writeback, 0, scope)
+        schedule_row_epilogue(sch, bx, rest, outputs, warps)
         return sch
 
+
+def _operand_bytes(sch: s_tir.Schedule, mm) -> int:
+    return max(r.source.dtype.bits for r in sch.get(mm).reads) // 8
+
+
+def _mma_config(sch: s_tir.Schedule, mm, n: int, arch: str):
+    """A tensor-core configuration if the GEMM is a 2-D fp16 one with 8-aligned N and K."""
+    block = sch.get(mm)
+    operands = {str(r.source.dtype) for r in block.reads if r.source not in {w.source for w in block.writes}}
+    k = [iv.dom.extent for iv in block.iter_vars if iv.iter_type == tirx.IterVar.CommReduce]
+    aligned = len(k) == 1 and isinstance(k[0], tirx.IntImm) and int(k[0]) % 8 == 0 and n % 8 == 0
+    if operands != {"float16"} or len(block.iter_vars) != 3 or not aligned or not arch.startswith("sm_"):
+        return None
+    return default_mma_config(arch, n)
+
+
+def _inline_epilogue(sch: s_tir.Schedule, c_tile, tile):
+    """Inline the layout copies after the C tile, and the row tile, into the C tile's reader;
+    return the block that now writes the row tile (or the GEMM result)."""
+    name = sch.get(tile).name_hint if tile is not None else None
+    current = c_tile
+    while True:
+        consumers = [c for c in sch.get_consumers(current) if not is_reduction(sch, c)]
+        nxt = next((c for c in consumers if copied_buffer(sch, c) is not None or sch.get(c).name_hint == name), None)
+        if nxt is None:
+            return current
+        done = sch.get(nxt).name_hint == name
+        sch.reverse_compute_inline(nxt)
+        if done:
+            return current
+
+
+def _bind_flat(sch: s_tir.Schedule, block, bx, warps: int) -> None:
+    bx_var = sch.get(bx).loop_var
+    loops = sch.get_loops(block)
+    outer = next(i for i, loop in enumerate(loops) if sch.get(loop).loop_var.same_as(bx_var)) + 1
+    _, ty, tx = sch.split(sch.fuse(*loops[outer:]), [None, warps, 32])
+    sch.bind(ty, "threadIdx.y")
+    sch.bind(tx, "threadIdx.x")

@@ -13,32 +13,31 @@ from __future__ import annotations
 from tvm import s_tir
 
 from .blocks import is_reduction, writes_output
-from .config import RowTileConfig
 
 
-def _bind_reduction(sch: s_tir.Schedule, rv, n_outer: int, cfg: RowTileConfig) -> None:
+def _bind_reduction(sch: s_tir.Schedule, rv, n_outer: int, warps: int) -> None:
     loops = sch.get_loops(rv)[n_outer:]
     block = sch.get(rv)
     kinds = [iv.iter_type for iv in block.iter_vars]
     n_spatial = sum(1 for kind in kinds if kind == 0)
     rows = sch.fuse(*loops[:n_spatial]) if n_spatial else sch.add_unit_loop(rv)
     red = sch.fuse(*loops[n_spatial:])
-    rs, ty = sch.split(rows, [None, cfg.warps])
+    rs, ty = sch.split(rows, [None, warps])
     ro, tx = sch.split(red, [None, 32])
     sch.reorder(rs, ty, tx, ro)
     sch.bind(ty, "threadIdx.y")
     sch.bind(tx, "threadIdx.x")
 
 
-def _bind_spatial(sch: s_tir.Schedule, rv, n_outer: int, cfg: RowTileConfig) -> None:
+def _bind_spatial(sch: s_tir.Schedule, rv, n_outer: int, warps: int) -> None:
     loops = sch.get_loops(rv)[n_outer:]
     fused = sch.fuse(*loops) if loops else sch.add_unit_loop(rv)
-    _, ty, tx = sch.split(fused, [None, cfg.warps, 32])
+    _, ty, tx = sch.split(fused, [None, warps, 32])
     sch.bind(ty, "threadIdx.y")
     sch.bind(tx, "threadIdx.x")
 
 
-def schedule_row_epilogue(sch: s_tir.Schedule, bx, blocks: list, outputs: set, cfg: RowTileConfig) -> None:
+def schedule_row_epilogue(sch: s_tir.Schedule, bx, blocks: list, outputs: set, warps: int) -> None:
     """Move ``blocks`` (program order) under ``bx`` and bind them to the CTA's threads."""
     bx_var = sch.get(bx).loop_var
     for rv in blocks:
@@ -48,6 +47,6 @@ def schedule_row_epilogue(sch: s_tir.Schedule, bx, blocks: list, outputs: set, c
         loops = [sch.get(loop) for loop in sch.get_loops(rv)]
         outer = next(i for i, loop in enumerate(loops) if loop.loop_var.same_as(bx_var)) + 1
         if is_reduction(sch, rv):
-            _bind_reduction(sch, rv, outer, cfg)
+            _bind_reduction(sch, rv, outer, warps)
         else:
-            _bind_spatial(sch, rv, outer, cfg)
+            _bind_spatial(sch, rv, outer, warps)
