@@ -1,6 +1,7 @@
 """Benchmark of the post-norm suite on a GPU: ComFuse against every contender, one process.
 
-For each shape, norm and dtype, the same inputs go to: cuBLAS GEMM alone (the floor),
+The GEMM is PyTorch's ``nn.Linear`` (weight ``[N, K]``), as models import. For each shape,
+norm and dtype, the same inputs go to: cuBLAS GEMM alone (the floor),
 PyTorch eager, torch.compile (default, and max-autotune when asked), vanilla TVM (its
 default pipeline: DLight) and ComFuse. Each contender's output is checked against a float32
 PyTorch reference before it is timed; a wrong result is reported and not timed. Two times
@@ -44,8 +45,9 @@ class Row:
 
 
 def _torch_postnorm(torch, x, w, b, r, g, be, norm):
+    """``norm(x @ w.T + b + r)``: ``w`` is ``[N, K]``, PyTorch's nn.Linear layout."""
     f = torch.nn.functional
-    y = x @ w + b + r
+    y = f.linear(x, w, b) + r
     n = y.shape[-1]
     if norm == "layer_norm":
         return f.layer_norm(y, (n,), g, be, workloads.EPS)
@@ -101,14 +103,14 @@ def _contenders(torch, shape, norm, dtype, args, which, target):
     post = lambda: _torch_postnorm(torch, *args, norm)  # noqa: E731
     out = {}
     if "cublas_gemm" in which:
-        out["cublas_gemm"] = (lambda: x @ w, None)
+        out["cublas_gemm"] = (lambda: torch.nn.functional.linear(x, w), None)
     if "eager" in which:
         out["eager"] = (post, post)
     for name, mode in (("inductor", None), ("inductor_max_autotune", "max-autotune-no-cudagraphs")):
         if name in which:
             compiled = torch.compile(lambda *a: _torch_postnorm(torch, *a, norm), mode=mode, dynamic=False)
             out[name] = (lambda c=compiled: c(*args), lambda c=compiled: c(*args))
-    mod = workloads.post_norm(shape.M, shape.K, shape.N, dtype, norm)
+    mod = workloads.post_norm(shape.M, shape.K, shape.N, dtype, norm, linear=True)
     for name, comfuse in (("tvm_dlight", False), ("comfuse", True)):
         if name in which:
             out[name] = lambda m=mod, c=comfuse: _tvm_callable(torch, m, args, c, target)
@@ -130,7 +132,7 @@ def run(shapes, norms, dtypes, which=CONTENDERS, log=print) -> list:
                 M, K, N = shape.M, shape.K, shape.N
                 args = [
                     torch.randn(M, K, device="cuda", dtype=tdt),
-                    torch.randn(K, N, device="cuda", dtype=tdt) / K**0.5,
+                    torch.randn(N, K, device="cuda", dtype=tdt) / K**0.5,
                     *(torch.randn(N, device="cuda", dtype=tdt) for _ in range(1)),
                     torch.randn(M, N, device="cuda", dtype=tdt),
                     *(torch.randn(N, device="cuda", dtype=tdt) for _ in range(2)),

@@ -39,11 +39,11 @@ def load_database(database) -> ms.Database:
     return ms.database.JSONDatabase(path_workload=workload, path_tuning_record=records, allow_missing=False)
 
 
-def fusion_passes():
+def fusion_passes(target=None):
     """FuseComputeMemory, then the vanilla legalisation and fusion of the rest, then the
-    annotation of the fused PrimFuncs: everything up to scheduling, for any target."""
+    annotation of the fused PrimFuncs: everything up to scheduling."""
     return [
-        FuseComputeMemory(),
+        FuseComputeMemory(target=target),
         relax.transform.LegalizeOps(),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),
@@ -119,7 +119,7 @@ def get_pipeline(target, database=None) -> tvm.transform.Pass:
         with target:
             seq = tvm.transform.Sequential(
                 backend.library_dispatch_passes(target)
-                + fusion_passes()
+                + fusion_passes(target)
                 + schedule_passes(target, database)
                 + backend.dataflow_lower_passes(target)
                 + backend.finalize_passes(target)

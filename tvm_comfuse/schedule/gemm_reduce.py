@@ -172,3 +172,15 @@ def _bind_flat(sch: s_tir.Schedule, block, bx, warps: int) -> None:
     _, ty, tx = sch.split(sch.fuse(*loops[outer:]), [None, warps, 32])
     sch.bind(ty, "threadIdx.y")
     sch.bind(tx, "threadIdx.x")
+
+
+def row_tile_fits(n, k, dtype: str, target) -> bool:
+    """Whether a gemm_reduce group with an ``n``-wide row (reduction length ``k``) gets this
+    rule's one-kernel schedule on ``target``: the pass outlines only such groups on GPUs, so a
+    row too wide for one thread block keeps vanilla TVM's kernels rather than a slow fallback."""
+    if not isinstance(n, int):
+        return False
+    arch = str(target.attrs.get("arch", ""))
+    if dtype == "float16" and isinstance(k, int) and n % 8 == 0 and k % 8 == 0 and default_mma_config(arch, n):
+        return True
+    return default_config(arch, n, 2 if dtype in ("float16", "bfloat16") else 4, 4) is not None

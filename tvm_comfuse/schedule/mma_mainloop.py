@@ -41,9 +41,13 @@ class MmaConfig:
         return (n + step - 1) // step * step
 
     def smem_bytes(self, n: int, tile_bytes: int = 2) -> int:
-        """Operand ring + fp32 C tile + the row tile (upper bound: no buffer reuse)."""
+        """Dynamic shared memory: the fp32 C tile reuses the operand ring once the mainloop is
+        done (TVM merges the allocations), the row tile lives beside both. Measured on the
+        lowered kernels: 172 KiB for bm=16 and 192 KiB for bm=32 at N=768 (this gives 175/203).
+        """
         bn = self.bn(n)
-        return self.stages * (self.bm + bn) * self.bk * 2 + self.bm * bn * 4 + self.bm * n * tile_bytes
+        ring = self.stages * (self.bm + bn) * self.bk * 2
+        return max(ring, self.bm * bn * 4) + self.bm * n * tile_bytes
 
     def acc_regs(self, n: int) -> int:
         """fp32 accumulator registers per thread."""

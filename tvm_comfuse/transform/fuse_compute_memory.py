@@ -34,6 +34,7 @@ from ..errors import check_module
 from ..graph import ops
 from ..graph.analysis import find_groups
 from ..graph.group import B2B_GEMM, GEMM_ELEMENTWISE, GEMM_REDUCE, KINDS
+from ..target import is_gpu, parse_target
 from .hoist_row_reshape import HoistRowReshape
 
 GROUPS_ATTR = "comfuse.groups"
@@ -116,6 +117,24 @@ def _outline(mod: tvm.IRModule, groups: list, kinds) -> tuple:
     return mod, names
 
 
+def _limit_to_target(groups: list, target) -> list:
+    """On GPU targets, keep outlined only the gemm_reduce groups the rule can schedule."""
+    if target is None or not is_gpu(target):
+        return groups
+    from ..schedule import row_tile_fits  # pylint: disable=import-outside-toplevel
+
+    out = []
+    for g in groups:
+        if g.fused and g.kind == GEMM_REDUCE and not row_tile_fits(g.gemm[2], g.gemm[3], g.dtype, target):
+            g = replace(
+                g, fused=False,
+                note=f"rows of {g.gemm[2]} do not fit one thread block on {target.attrs.get('arch', target.kind.name)}; "
+                "left to vanilla fusion (cross-block row statistics are future work)",
+            )
+        out.append(g)
+    return out
+
+
 def _resolve(groups: list, names: dict) -> list:
     """Give each group the name of its outlined function, or say why it was not outlined."""
     out = []
@@ -128,8 +147,11 @@ def _resolve(groups: list, names: dict) -> list:
     return out
 
 
-def analyze(mod: tvm.IRModule) -> list:
+def analyze(mod: tvm.IRModule, target=None) -> list:
     """The fusion groups :func:`FuseComputeMemory` would form, without changing ``mod``.
+
+    With a GPU ``target``, groups whose rows do not fit the target's one-kernel schedule are
+    reported as left to vanilla fusion (``fused=False``), as ``get_pipeline(target)`` does.
 
     Returns a list of :class:`~tvm_comfuse.graph.group.FusionGroup` (``kind``, ``ops``,
     ``name`` of the function the group becomes, GEMM shape, dtypes, inputs and outputs).
@@ -138,7 +160,7 @@ def analyze(mod: tvm.IRModule) -> list:
     """
     check_module(mod, "analyze")
     mod = HoistRowReshape()(mod)
-    groups = _plan(mod)
+    groups = _limit_to_target(_plan(mod), parse_target(target) if target is not None else None)
     _, names = _outline(mod, groups, (GEMM_REDUCE, GEMM_ELEMENTWISE))
     return _resolve(groups, names)
 
@@ -150,22 +172,26 @@ class FuseComputeMemory:  # pylint: disable=too-few-public-methods
 
     Parameters
     ----------
+    target : str, dict or tvm.target.Target, optional
+        On a GPU target, gemm_reduce groups whose rows are too wide for one thread block stay
+        with vanilla fusion (``get_pipeline`` passes its target).
     kinds : tuple of str
         Group kinds to outline. ``"b2b_gemm"`` groups are detected by :func:`analyze` but not
         outlined until a back-to-back schedule exists; their GEMM groups are outlined
         separately.
     """
 
-    def __init__(self, kinds=(GEMM_REDUCE, GEMM_ELEMENTWISE)):
+    def __init__(self, kinds=(GEMM_REDUCE, GEMM_ELEMENTWISE), target=None):
         unknown = [k for k in kinds if k not in KINDS]
         if unknown:
             raise ValueError(f"FuseComputeMemory: unknown group kind(s) {unknown}; choose from {KINDS}")
         self.kinds = tuple(k for k in kinds if k != B2B_GEMM)
+        self.target = parse_target(target) if target is not None else None
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         """Find the groups of every Relax function and outline them (no-op without any)."""
         mod = HoistRowReshape()(mod)
-        groups = _plan(mod)
+        groups = _limit_to_target(_plan(mod), self.target)
         mod, names = _outline(mod, groups, self.kinds)
         if not names:
             return mod
