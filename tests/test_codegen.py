@@ -50,3 +50,16 @@ def test_rule_leaves_a_relaid_out_tile_to_dlight():
     source = codegen.cuda_source(runtime.compile_module(mod, {"kind": "cuda", "arch": "sm_90"}))
     assert any(k.startswith(group.name) for k in codegen.kernel_names(source))
     codegen.compile_with_nvcc(source, "sm_90")
+
+
+def test_fragment_index_fold_only_touches_mma_kernels():
+    from tvm_comfuse.schedule.lowering import fold_fragment_indices  # pylint: disable=import-outside-toplevel
+
+    i32 = "((((((((int)threadIdx.x) * 8) + 260) / 256) * 8) + 4))"
+    i64 = "(((((((int64_t)threadIdx.x) * (int64_t)8) + (int64_t)260) / (int64_t)256) * (int64_t)8) + (int64_t)4)"
+    big = "(((((((int)threadIdx.x) * 8) + 300) / 256) * 8) + 4)"  # 300 % 256 > 7: not foldable
+    mma = 'extern "C" __global__ void k() { asm("mma.sync"); a[' + i32[1:-1] + "]; b[" + i64 + "]; c[" + big + "]; }"
+    plain = 'extern "C" __global__ void g() { a[' + i64 + "]; }"
+    out = fold_fragment_indices(mma + "\n" + plain)
+    assert "a[(12)]" in out and "b[(12)]" in out  # (260 // 256) * 8 + 4
+    assert big in out and plain in out

@@ -44,7 +44,10 @@ def _pipeline():
 
 tirx.compilation_pipeline.register_tir_pipeline(TIR_PIPELINE, _pipeline)
 
-_TRUNCDIV = re.compile(r"\(\(\(\(\(\(\(int\)threadIdx\.x\) \* 8\) \+ (\d+)\) / 256\) \* (\d+)\) \+ (\d+)\)")
+_C = r"(?:\(int64_t\))?"  # int64 indices (Relax-legalised PrimFuncs) print a cast on every literal
+_TRUNCDIV = re.compile(
+    rf"\(\(\(\(\(\(\((?:int|int64_t)\)threadIdx\.x\) \* {_C}8\) \+ {_C}(\d+)\) / {_C}256\) \* {_C}(\d+)\) \+ {_C}(\d+)\)"
+)
 _KERNEL_START = re.compile(r'(?=extern "C" __global__)')
 
 
