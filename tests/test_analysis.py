@@ -231,3 +231,15 @@ def test_row_splitting_reshape_is_hoisted_out_of_the_group():
     (group,) = _fused(bb.get())
     assert group.ops == ("relax.matmul", "relax.add", "relax.add", "relax.nn.rms_norm")
     assert group.gemm == (2, 3, 24, 40)
+
+
+def test_rows_too_wide_for_the_gpu_rule_stay_vanilla():
+    """On a GPU target a 4096-wide row cannot live in one thread block: not outlined."""
+    wide = wl.post_norm(64, 64, 4096, "float16", linear=True)
+    (g,) = cf.analyze(wide, target="nvidia/nvidia-h100")
+    assert not g.fused and "do not fit" in g.note
+    assert cf.analyze(wide)[0].fused  # llvm: fused
+    mod = cf.FuseComputeMemory(target="nvidia/nvidia-h100")(wide)
+    assert GROUPS_ATTR not in (mod.attrs or {})
+    (narrow,) = cf.analyze(wl.post_norm(64, 64, 768, "float16", linear=True), target="nvidia/nvidia-h100")
+    assert narrow.fused
