@@ -29,7 +29,7 @@ from ..transform.fuse_compute_memory import KIND_ATTR
 from .blocks import copied_buffer, inline_all, is_reduction, output_buffers, read_blocks, writes_output
 from .config import default_config, default_mma_config
 from .mma_mainloop import schedule_mma_mainloop
-from .row_epilogue import schedule_row_epilogue
+from .row_epilogue import bind_spatial, schedule_row_epilogue
 from .simt_mainloop import schedule_simt_mainloop
 
 LOG = logging.getLogger("tvm_comfuse")
@@ -121,7 +121,7 @@ class GemmRowTile(ScheduleRule):
         if mma is not None:
             bx, c_tile = schedule_mma_mainloop(sch, g.mainloop, n, mma)
             writeback = _inline_epilogue(sch, c_tile, tile)
-            _bind_flat(sch, writeback, bx, mma.warps)
+            bind_spatial(sch, writeback, bx, mma.warps)
             scope, warps = "shared.dyn", mma.warps
         else:
             bx, writeback = schedule_simt_mainloop(sch, g.mainloop, simt)
@@ -138,15 +138,22 @@ def _operand_bytes(sch: s_tir.Schedule, mm) -> int:
     return max(r.source.dtype.bits for r in sch.get(mm).reads) // 8
 
 
+def _tensor_core_config(dtype: str, n, k, arch: str):
+    """The mma.sync configuration for an fp16 GEMM with 8-aligned N and K (cp.async moves 16
+    aligned bytes), or None: the CUDA-core mainloop takes the rest."""
+    if dtype != "float16" or not isinstance(k, int) or n % 8 or k % 8 or not arch.startswith("sm_"):
+        return None
+    return default_mma_config(arch, n)
+
+
 def _mma_config(sch: s_tir.Schedule, mm, n: int, arch: str):
-    """A tensor-core configuration if the GEMM is a 2-D fp16 one with 8-aligned N and K."""
+    """The tensor-core configuration for the (2-D) GEMM block ``mm``, or None."""
     block = sch.get(mm)
     operands = {str(r.source.dtype) for r in block.reads if r.source not in {w.source for w in block.writes}}
     k = [iv.dom.extent for iv in block.iter_vars if iv.iter_type == tirx.IterVar.CommReduce]
-    aligned = len(k) == 1 and isinstance(k[0], tirx.IntImm) and int(k[0]) % 8 == 0 and n % 8 == 0
-    if operands != {"float16"} or len(block.iter_vars) != 3 or not aligned or not arch.startswith("sm_"):
+    if len(operands) != 1 or len(block.iter_vars) != 3 or len(k) != 1 or not isinstance(k[0], tirx.IntImm):
         return None
-    return default_mma_config(arch, n)
+    return _tensor_core_config(operands.pop(), n, int(k[0]), arch)
 
 
 def _inline_epilogue(sch: s_tir.Schedule, c_tile, tile):
@@ -165,15 +172,6 @@ def _inline_epilogue(sch: s_tir.Schedule, c_tile, tile):
             return current
 
 
-def _bind_flat(sch: s_tir.Schedule, block, bx, warps: int) -> None:
-    bx_var = sch.get(bx).loop_var
-    loops = sch.get_loops(block)
-    outer = next(i for i, loop in enumerate(loops) if sch.get(loop).loop_var.same_as(bx_var)) + 1
-    _, ty, tx = sch.split(sch.fuse(*loops[outer:]), [None, warps, 32])
-    sch.bind(ty, "threadIdx.y")
-    sch.bind(tx, "threadIdx.x")
-
-
 def row_tile_fits(n, k, dtype: str, target) -> bool:
     """Whether a gemm_reduce group with an ``n``-wide row (reduction length ``k``) gets this
     rule's one-kernel schedule on ``target``: the pass outlines only such groups on GPUs, so a
@@ -181,6 +179,6 @@ def row_tile_fits(n, k, dtype: str, target) -> bool:
     if not isinstance(n, int):
         return False
     arch = str(target.attrs.get("arch", ""))
-    if dtype == "float16" and isinstance(k, int) and n % 8 == 0 and k % 8 == 0 and default_mma_config(arch, n):
+    if _tensor_core_config(dtype, n, k, arch) is not None:
         return True
     return default_config(arch, n, 2 if dtype in ("float16", "bfloat16") else 4, 4) is not None

@@ -15,11 +15,17 @@ from tvm import s_tir
 from .blocks import is_reduction, writes_output
 
 
-def _bind_reduction(sch: s_tir.Schedule, rv, n_outer: int, warps: int) -> None:
-    loops = sch.get_loops(rv)[n_outer:]
-    block = sch.get(rv)
-    kinds = [iv.iter_type for iv in block.iter_vars]
-    n_spatial = sum(1 for kind in kinds if kind == 0)
+def _loops_below(sch: s_tir.Schedule, rv, bx) -> list:
+    """The loops of block ``rv`` nested under the CTA loop ``bx``."""
+    bx_var = sch.get(bx).loop_var
+    loops = sch.get_loops(rv)
+    outer = next(i for i, loop in enumerate(loops) if sch.get(loop).loop_var.same_as(bx_var))
+    return loops[outer + 1 :]
+
+
+def _bind_reduction(sch: s_tir.Schedule, rv, bx, warps: int) -> None:
+    loops = _loops_below(sch, rv, bx)
+    n_spatial = sum(1 for iv in sch.get(rv).iter_vars if iv.iter_type == 0)
     rows = sch.fuse(*loops[:n_spatial]) if n_spatial else sch.add_unit_loop(rv)
     red = sch.fuse(*loops[n_spatial:])
     rs, ty = sch.split(rows, [None, warps])
@@ -29,8 +35,9 @@ def _bind_reduction(sch: s_tir.Schedule, rv, n_outer: int, warps: int) -> None:
     sch.bind(tx, "threadIdx.x")
 
 
-def _bind_spatial(sch: s_tir.Schedule, rv, n_outer: int, warps: int) -> None:
-    loops = sch.get_loops(rv)[n_outer:]
+def bind_spatial(sch: s_tir.Schedule, rv, bx, warps: int) -> None:
+    """Spread a spatial block under ``bx`` over the CTA's ``warps x 32`` threads."""
+    loops = _loops_below(sch, rv, bx)
     fused = sch.fuse(*loops) if loops else sch.add_unit_loop(rv)
     _, ty, tx = sch.split(fused, [None, warps, 32])
     sch.bind(ty, "threadIdx.y")
@@ -39,14 +46,8 @@ def _bind_spatial(sch: s_tir.Schedule, rv, n_outer: int, warps: int) -> None:
 
 def schedule_row_epilogue(sch: s_tir.Schedule, bx, blocks: list, outputs: set, warps: int) -> None:
     """Move ``blocks`` (program order) under ``bx`` and bind them to the CTA's threads."""
-    bx_var = sch.get(bx).loop_var
     for rv in blocks:
         sch.reverse_compute_at(rv, bx, preserve_unit_loops=True)
         if not writes_output(sch, rv, outputs):
             sch.set_scope(rv, 0, "shared")
-        loops = [sch.get(loop) for loop in sch.get_loops(rv)]
-        outer = next(i for i, loop in enumerate(loops) if loop.loop_var.same_as(bx_var)) + 1
-        if is_reduction(sch, rv):
-            _bind_reduction(sch, rv, outer, warps)
-        else:
-            _bind_spatial(sch, rv, outer, warps)
+        (_bind_reduction if is_reduction(sch, rv) else bind_spatial)(sch, rv, bx, warps)
