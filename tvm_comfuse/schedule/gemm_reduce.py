@@ -100,7 +100,7 @@ class GemmRowTile(ScheduleRule):
         if g is None or not _row_layout_kept(sch, g):
             return None
         n = _static_width(sch, g.mainloop)
-        if n is None:
+        if n is None or not all(isinstance(d, tirx.IntImm) for d in sch.get(g.mainloop).writes[0].source.shape):
             return None
         arch = str(target.attrs.get("arch", ""))
         outputs = output_buffers(func)
@@ -172,11 +172,13 @@ def _inline_epilogue(sch: s_tir.Schedule, c_tile, tile):
             return current
 
 
-def row_tile_fits(n, k, dtype: str, target) -> bool:
-    """Whether a gemm_reduce group with an ``n``-wide row (reduction length ``k``) gets this
-    rule's one-kernel schedule on ``target``: the pass outlines only such groups on GPUs, so a
-    row too wide for one thread block keeps vanilla TVM's kernels rather than a slow fallback."""
-    if not isinstance(n, int):
+def row_tile_fits(gemm: tuple, dtype: str, target) -> bool:
+    """Whether a gemm_reduce group with GEMM shape ``(batch, M, N, K)`` gets this rule's
+    one-kernel schedule on ``target``: the pass outlines only such groups on GPUs, so a row too
+    wide for one thread block, or a symbolic M (not supported yet: per-thread buffers need
+    static sizes), keeps vanilla TVM's kernels rather than a slow fallback."""
+    _, m, n, k = gemm
+    if not isinstance(n, int) or not isinstance(m, int):
         return False
     arch = str(target.attrs.get("arch", ""))
     if _tensor_core_config(dtype, n, k, arch) is not None:

@@ -125,11 +125,11 @@ def _limit_to_target(groups: list, target) -> list:
 
     out = []
     for g in groups:
-        if g.fused and g.kind == GEMM_REDUCE and not row_tile_fits(g.gemm[2], g.gemm[3], g.dtype, target):
+        if g.fused and g.kind == GEMM_REDUCE and not row_tile_fits(g.gemm, g.dtype, target):
             g = replace(
                 g, fused=False,
-                note=f"rows of {g.gemm[2]} do not fit one thread block on {target.attrs.get('arch', target.kind.name)}; "
-                "left to vanilla fusion (cross-block row statistics are future work)",
+                note=f"no one-kernel schedule for M={g.gemm[1]}, N={g.gemm[2]} on {target.attrs.get('arch', target.kind.name)} "
+                "(rows wider than a thread block holds, or a symbolic M); left to vanilla fusion",
             )
         out.append(g)
     return out
