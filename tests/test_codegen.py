@@ -63,3 +63,13 @@ def test_fragment_index_fold_only_touches_mma_kernels():
     out = fold_fragment_indices(mma + "\n" + plain)
     assert "a[(12)]" in out and "b[(12)]" in out  # (260 // 256) * 8 + 4
     assert big in out and plain in out
+
+
+def test_every_configuration_of_the_space_builds():
+    """The rule offers MetaSchedule only configurations that build: schedule, lower and nvcc
+    every one for an odd shape (M not a multiple of any tile), and count the failures."""
+    from tvm_comfuse.schedule.space_check import build_space  # pylint: disable=import-outside-toplevel
+
+    results = build_space(333, 96, 136, "sm_90", limit=6)
+    assert len(results) == 6
+    assert [err for _, err in results if err] == []

@@ -27,7 +27,7 @@ from ..graph.group import GEMM_REDUCE
 from ..target import is_gpu
 from ..transform.fuse_compute_memory import KIND_ATTR
 from .blocks import copied_buffer, inline_all, is_reduction, output_buffers, read_blocks, writes_output
-from .config import default_config, default_mma_config
+from .config import MmaConfig, RowTileConfig, candidates, default
 from .mma_mainloop import schedule_mma_mainloop
 from .row_epilogue import bind_spatial, schedule_row_epilogue
 from .simt_mainloop import schedule_simt_mainloop
@@ -83,77 +83,98 @@ class GemmRowTile(ScheduleRule):
         self.kinds = tuple(kinds)
 
     def apply(self, func: tirx.PrimFunc, target, tunable: bool):  # pylint: disable=unused-argument
+        """The schedule with this target's default configuration, or None."""
         if not is_gpu(target) or str((func.attrs or {}).get(KIND_ATTR, "")) not in self.kinds:
             return None
-        try:
-            return self._schedule(func, target)
-        except (RuntimeError, ValueError) as err:  # ScheduleError, InternalError, failed checks
-            # a block layout the rule cannot tile (e.g. a reshape inside the chain): the
-            # next rule (DLight) schedules the function; it stays correct, only slower
-            first = str(err).strip().splitlines()[-1][:200] if str(err).strip() else type(err).__name__
-            LOG.warning("ComFuse rule did not apply to a %s group, DLight schedules it: %s", func.attrs[KIND_ATTR], first)
-            return None
-
-    def _schedule(self, func: tirx.PrimFunc, target):
         sch = s_tir.Schedule(func)
+        configs = self.configs(sch, target)
+        return self._try(sch, configs[0]) if configs else None
+
+    def configs(self, sch: s_tir.Schedule, target) -> list:
+        """Every configuration that fits this group on ``target`` (default first); empty if
+        the rule does not apply (unannotated, re-laid-out tile, symbolic or too-wide rows)."""
         g = read_blocks(sch)
         if g is None or not _row_layout_kept(sch, g):
-            return None
+            return []
         n = _static_width(sch, g.mainloop)
         if n is None or not all(isinstance(d, tirx.IntImm) for d in sch.get(g.mainloop).writes[0].source.shape):
-            return None
+            return []
         arch = str(target.attrs.get("arch", ""))
-        outputs = output_buffers(func)
-        mma = _mma_config(sch, g.mainloop, n, arch)
-        simt = None if mma else default_config(arch, n, _operand_bytes(sch, g.mainloop), 4)
-        if mma is None and simt is None:
+        if _tensor_core_eligible(sch, g.mainloop, n, arch):
+            return candidates(MmaConfig, arch, n)
+        return candidates(RowTileConfig, arch, n, _operand_bytes(sch, g.mainloop))
+
+    def space(self, sch: s_tir.Schedule, target) -> list:
+        """The design space for MetaSchedule: one schedule per valid configuration, each a
+        copy of ``sch`` (so its trace replays on the task), none that cannot build."""
+        out = []
+        for cfg in self.configs(sch, target):
+            scheduled = self._try(sch.copy(), cfg)
+            if scheduled is not None:
+                out.append(scheduled)
+        return out
+
+    @staticmethod
+    def _try(sch: s_tir.Schedule, cfg):
+        try:
+            return _schedule(sch, cfg)
+        except (RuntimeError, ValueError) as err:  # ScheduleError, InternalError, failed checks
+            # a block layout the rule cannot tile: the next rule (DLight) schedules the
+            # function; it stays correct, only slower
+            first = str(err).strip().splitlines()[-1][:200] if str(err).strip() else type(err).__name__
+            LOG.warning("ComFuse rule did not apply to a %s group (%s), DLight schedules it: %s",
+                        sch.mod["main"].attrs[KIND_ATTR], cfg, first)
             return None
-        for rv in g.prologue:
-            sch.compute_inline(rv)
-        tile = _row_tile(sch, g)
-        rest = inline_all(sch, g.after, keep=[tile] if tile is not None else [])
+
+
+def _schedule(sch: s_tir.Schedule, cfg) -> s_tir.Schedule:
+    """Schedule a fused group with one configuration (MmaConfig or RowTileConfig)."""
+    g = read_blocks(sch)
+    n = _static_width(sch, g.mainloop)
+    outputs = output_buffers(sch.mod["main"])
+    for rv in g.prologue:
+        sch.compute_inline(rv)
+    tile = _row_tile(sch, g)
+    rest = inline_all(sch, g.after, keep=[tile] if tile is not None else [])
+    if tile is not None:
+        rest = [rv for rv in rest if not sch.get(rv).same_as(sch.get(tile))]
+        if writes_output(sch, tile, outputs):
+            # a residual the caller also reads: keep the tile in shared memory for the
+            # reductions and write the output with a copy block, never read it back
+            rest.insert(0, sch.cache_write(tile, 0, "shared", consumer_blocks=rest))
+    if isinstance(cfg, MmaConfig):
+        bx, c_tile = schedule_mma_mainloop(sch, g.mainloop, n, cfg)
+        writeback = _inline_epilogue(sch, c_tile, tile)
+        bind_spatial(sch, writeback, bx, cfg.warps)
+        scope = "shared.dyn"
+    else:
+        bx, writeback = schedule_simt_mainloop(sch, g.mainloop, cfg)
         if tile is not None:
-            rest = [rv for rv in rest if not sch.get(rv).same_as(sch.get(tile))]
-            if writes_output(sch, tile, outputs):
-                # a residual the caller also reads: keep the tile in shared memory for the
-                # reductions and write the output with a copy block, never read it back
-                rest.insert(0, sch.cache_write(tile, 0, "shared", consumer_blocks=rest))
-        if mma is not None:
-            bx, c_tile = schedule_mma_mainloop(sch, g.mainloop, n, mma)
-            writeback = _inline_epilogue(sch, c_tile, tile)
-            bind_spatial(sch, writeback, bx, mma.warps)
-            scope, warps = "shared.dyn", mma.warps
-        else:
-            bx, writeback = schedule_simt_mainloop(sch, g.mainloop, simt)
-            if tile is not None:
-                sch.reverse_compute_inline(tile)
-            scope, warps = "shared", simt.warps
-        if not writes_output(sch, writeback, outputs):
-            sch.set_scope(writeback, 0, scope)
-        schedule_row_epilogue(sch, bx, rest, outputs, warps)
-        return sch
+            sch.reverse_compute_inline(tile)
+        scope = "shared"
+    if not writes_output(sch, writeback, outputs):
+        sch.set_scope(writeback, 0, scope)
+    schedule_row_epilogue(sch, bx, rest, outputs, cfg.warps)
+    return sch
 
 
 def _operand_bytes(sch: s_tir.Schedule, mm) -> int:
     return max(r.source.dtype.bits for r in sch.get(mm).reads) // 8
 
 
-def _tensor_core_config(dtype: str, n, k, arch: str):
-    """The mma.sync configuration for an fp16 GEMM with 8-aligned N and K (cp.async moves 16
-    aligned bytes), or None: the CUDA-core mainloop takes the rest."""
-    if dtype != "float16" or not isinstance(k, int) or n % 8 or k % 8 or not arch.startswith("sm_"):
-        return None
-    return default_mma_config(arch, n)
+def _tensor_core_dtype_ok(dtype: str, n, k, arch: str) -> bool:
+    """fp16 with 8-aligned N and K (cp.async moves 16 aligned bytes) on an sm_* target."""
+    return dtype == "float16" and isinstance(k, int) and n % 8 == 0 and k % 8 == 0 and arch.startswith("sm_")
 
 
-def _mma_config(sch: s_tir.Schedule, mm, n: int, arch: str):
-    """The tensor-core configuration for the (2-D) GEMM block ``mm``, or None."""
+def _tensor_core_eligible(sch: s_tir.Schedule, mm, n: int, arch: str) -> bool:
+    """Whether the (2-D) GEMM block ``mm`` takes the tensor-core mainloop."""
     block = sch.get(mm)
     operands = {str(r.source.dtype) for r in block.reads if r.source not in {w.source for w in block.writes}}
     k = [iv.dom.extent for iv in block.iter_vars if iv.iter_type == tirx.IterVar.CommReduce]
     if len(operands) != 1 or len(block.iter_vars) != 3 or len(k) != 1 or not isinstance(k[0], tirx.IntImm):
-        return None
-    return _tensor_core_config(operands.pop(), n, int(k[0]), arch)
+        return False
+    return _tensor_core_dtype_ok(operands.pop(), n, int(k[0]), arch) and default(MmaConfig, arch, n) is not None
 
 
 def _inline_epilogue(sch: s_tir.Schedule, c_tile, tile):
@@ -181,6 +202,6 @@ def row_tile_fits(gemm: tuple, dtype: str, target) -> bool:
     if not isinstance(n, int) or not isinstance(m, int):
         return False
     arch = str(target.attrs.get("arch", ""))
-    if _tensor_core_config(dtype, n, k, arch) is not None:
+    if _tensor_core_dtype_ok(dtype, n, k, arch) and default(MmaConfig, arch, n) is not None:
         return True
-    return default_config(arch, n, 2 if dtype in ("float16", "bfloat16") else 4, 4) is not None
+    return default(RowTileConfig, arch, n, 2 if dtype in ("float16", "bfloat16") else 4) is not None

@@ -14,54 +14,10 @@ Lower with :mod:`.lowering` (TIR pipeline ``"comfuse"`` and its pass config).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from tvm import s_tir, tirx
 from tvm.s_tir.dlight.gpu.matmul import auto_inline_producers
 
-
-@dataclass(frozen=True)
-class MmaConfig:
-    """Tunables of the tensor-core mainloop (all sampled within the target's limits)."""
-
-    bm: int = 32
-    bk: int = 32
-    warps_m: int = 1
-    warps_n: int = 8
-    stages: int = 3
-    vec: int = 8  # fp16 elements per cp.async (16 bytes)
-
-    @property
-    def warps(self) -> int:
-        return self.warps_m * self.warps_n
-
-    def bn(self, n: int) -> int:
-        """The padded row width: a multiple of 16 per warp column."""
-        step = 16 * self.warps_n
-        return (n + step - 1) // step * step
-
-    def smem_bytes(self, n: int, tile_bytes: int = 2) -> int:
-        """Dynamic shared memory: the fp32 C tile reuses the operand ring once the mainloop is
-        done (TVM merges the allocations), the row tile lives beside both. Measured on the
-        lowered kernels: 172 KiB for bm=16 and 192 KiB for bm=32 at N=768 (this gives 175/203).
-        """
-        bn = self.bn(n)
-        ring = self.stages * (self.bm + bn) * self.bk * 2
-        return max(ring, self.bm * bn * 4) + self.bm * n * tile_bytes
-
-    def acc_regs(self, n: int) -> int:
-        """fp32 accumulator registers per thread."""
-        return self.bm * self.bn(n) // (32 * self.warps)
-
-    def valid(self, n: int, smem_limit: int, max_acc: int = 128) -> bool:
-        """True if the tiling divides evenly and fits shared memory and registers."""
-        return (
-            self.bm % (16 * self.warps_m) == 0
-            and self.bk % 32 == 0  # the XOR swizzle needs rows of >= 32 fp16
-            and self.warps <= 32
-            and self.smem_bytes(n) <= smem_limit
-            and self.acc_regs(n) <= max_acc
-        )
+from .config import MmaConfig
 
 
 def _uses(expr, var) -> bool:
