@@ -1,0 +1,1 @@
+"""Testing helpers for tvm-comfuse (differential fuzzing against vanilla TVM)."""

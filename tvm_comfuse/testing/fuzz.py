@@ -1,0 +1,500 @@
+"""Differential fuzzing of ComFuse's fusion groups: random GEMM + row-reduction graphs, two compilers.
+
+Why: the hand-written numerics tests cover the patterns we thought of. This module generates
+random Relax graphs around one GEMM (bias, residual, scalar scale, activations, cast round
+trips, one or two row reductions, extra outputs, trailing elementwise ops), with awkward shapes
+(M=1, primes, nothing a multiple of 8), half precision, large magnitudes and NaN/Inf inputs,
+and compiles each twice on ``llvm``: with vanilla TVM and with ComFuse. Whatever ComFuse
+outlines must compute what vanilla TVM computes.
+
+A case is a small JSON-able :class:`Case` (shapes, dtype, a list of op tokens, input recipe),
+so it can be printed, stored in a report, rebuilt and shrunk. ``build(case)`` makes the Relax
+module, ``reference(case, inputs)`` evaluates the same tokens in NumPy float64.
+
+Oracle (``check``), per output, all tolerances relative to ``max(1, max|vanilla output|)``:
+
+* non-finite positions must match exactly: NaN where vanilla has NaN, same-signed Inf where
+  vanilla has Inf, finite where vanilla is finite;
+* finite values agree within ``TOL[dtype]`` (float32 1e-4, float16 3e-2, bfloat16 1e-1; the
+  dtype is the least precise one the chain casts through, see ``tolerance_dtype``), or,
+  where they do not, ComFuse is at least as close to the float64 reference as vanilla TVM
+  (ComFuse accumulates half-precision GEMMs and norms in float32 by design, vanilla does not).
+
+Vanilla TVM cannot legalise ``nn.layer_norm`` or ``power`` in bfloat16; such cases are
+generated with clean, unit-scale inputs and checked against the NumPy float64 reference alone
+(within ``REF_TOL``).
+
+CLI: ``python -m tvm_comfuse.testing.fuzz --cases 1000 --seed 0 --out report.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import math
+import sys
+import time
+
+import ml_dtypes
+import numpy as np
+import tvm
+from tvm import relax
+
+from .. import runtime as rt
+from ..transform import analyze
+
+TOL = {"float32": 1e-4, "float16": 3e-2, "bfloat16": 1e-1}
+#: Against the float64 reference (bf16 LayerNorm cases): every intermediate rounds to bf16.
+REF_TOL = {"float32": 1e-3, "float16": 5e-2, "bfloat16": 1.5e-1}
+EPS = 1e-5
+NP_DTYPE = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+
+#: Elementwise tokens: ("bias",), ("residual",), ("scale", c), ("act", name), ("cast", via),
+#: ("square",). Reductions: ("reduce", kind). ("keep",) also returns the current tensor.
+ACTS = ("relu", "gelu", "silu", "tanh", "sigmoid")
+REDUCTIONS = ("layer_norm", "rms_norm", "softmax", "mean_sub", "sum_sub", "max_sub", "var_scale", "ln_decomposed")
+SIZES = (1, 2, 3, 5, 7, 11, 13, 17, 24, 31, 33, 47, 64, 65, 96)
+SCALES = (0.5, -2.0, 0.125, 3.0)
+#: Input magnitudes per dtype: large enough to stress, small enough that fp16 never overflows
+#: in vanilla's fp16 GEMM accumulation but not in ComFuse's fp32 one (a legitimate difference).
+BIG = {"float32": 1e3, "float16": 4.0, "bfloat16": 1e3}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One fuzz case: everything needed to rebuild the module and its inputs."""
+
+    seed: int
+    dtype: str
+    M: int
+    K: int
+    N: int
+    batch: int | None = None
+    linear: bool = False
+    ops: tuple = ()
+    scale: float = 1.0
+    special: str = ""  # "", "nan", "inf": inject into a few input elements
+    input_seed: int = 0
+
+    def describe(self) -> str:
+        """Human-readable pattern, e.g. ``x@w.T > bias > act:gelu > reduce:layer_norm``."""
+        head = "x@w.T" if self.linear else "x@w"
+        return " > ".join([head] + [":".join(str(p) for p in op) for op in self.ops])
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self) | {"ops": [list(op) for op in self.ops]}
+
+    @staticmethod
+    def from_json(d: dict) -> "Case":
+        return Case(**(d | {"ops": tuple(tuple(op) for op in d["ops"])}))
+
+
+def vanilla_supported(case: Case) -> bool:
+    """False where vanilla TVM 0.27 cannot legalise an op (bf16 ``nn.layer_norm``).
+
+    (``relax.power`` in bf16 is rejected when the graph is built, so it is never generated.)
+    """
+    return case.dtype != "bfloat16" or ("reduce", "layer_norm") not in case.ops
+
+
+def tolerance_dtype(case: Case) -> str:
+    """The least precise dtype a value passes through: it sets the tolerance.
+
+    A cast round trip (``astype(astype(y, "bfloat16"), "float32")``) may or may not round:
+    TVM's bf16 legalisation computes bf16 intermediates *inside a fused kernel* in float32,
+    so a fused kernel (ComFuse's, or vanilla's ``FuseOps``) keeps the float32 value where the
+    unfused vanilla build rounds it. Either is a valid result at bf16 precision.
+    """
+    order = ("float32", "float16", "bfloat16")
+    vias = [case.dtype] + [op[1] for op in case.ops if op[0] == "cast"]
+    return max(vias, key=order.index)
+
+
+# ----------------------------------------------------------------------------- generation
+
+
+def generate(seed: int) -> Case:
+    """A random case from ``seed`` (deterministic)."""
+    rng = np.random.default_rng(seed)
+    pick = lambda xs: xs[int(rng.integers(len(xs)))]  # noqa: E731
+    dtype = pick(("float32", "float32", "float16", "bfloat16"))
+
+    def elementwise(k):
+        out = []
+        for _ in range(k):
+            kind = pick(("bias", "residual", "scale", "act", "act", "cast", "square"))
+            if kind == "square" and dtype == "bfloat16":  # relax.power rejects bf16 outright
+                kind = "act"
+            if kind == "scale":
+                out.append(("scale", float(pick(SCALES))))
+            elif kind == "act":
+                out.append(("act", pick(ACTS)))
+            elif kind == "cast":
+                out.append(("cast", pick([d for d in NP_DTYPE if d != dtype])))
+            else:
+                out.append((kind,))
+        return out
+
+    ops = elementwise(int(rng.integers(0, 4)))
+    if rng.random() < 0.85:  # else a gemm_elementwise case
+        ops.append(("reduce", pick(REDUCTIONS)))
+        ops += elementwise(int(rng.integers(0, 2)))
+        if rng.random() < 0.3:
+            ops.append(("reduce", pick(REDUCTIONS)))
+    ops += elementwise(int(rng.integers(0, 3)))
+    for _ in range(int(rng.integers(0, 3)) if rng.random() < 0.35 else 0):
+        ops.insert(int(rng.integers(0, len(ops))) if ops else 0, ("keep",))
+    case = Case(
+        seed=seed,
+        dtype=dtype,
+        M=pick(SIZES),
+        K=pick(SIZES),
+        N=pick(SIZES),
+        batch=pick((None, None, None, 2, 3)),
+        linear=bool(rng.random() < 0.4),
+        ops=tuple(ops),
+        input_seed=seed,
+    )
+    if vanilla_supported(case):  # the reference-only oracle gets clean unit-scale inputs
+        case = dataclasses.replace(
+            case,
+            scale=BIG[dtype] if rng.random() < 0.25 else 1.0,
+            special=pick(("", "", "", "", "nan", "inf")),
+        )
+    return case
+
+
+# ----------------------------------------------------------------------------- building
+
+
+def _rows(case):
+    return (case.batch, case.M) if case.batch else (case.M,)
+
+
+def params(case: Case) -> list:
+    """``(name, shape)`` of every parameter, in order: x, w, then per-op extras."""
+    out = [("x", (*_rows(case), case.K)), ("w", (case.N, case.K) if case.linear else (case.K, case.N))]
+    for i, op in enumerate(case.ops):
+        if op == ("bias",):
+            out.append((f"b{i}", (case.N,)))
+        elif op == ("residual",):
+            out.append((f"r{i}", (*_rows(case), case.N)))
+        elif op[0] == "reduce" and op[1] in ("layer_norm", "rms_norm", "ln_decomposed"):
+            out.append((f"gamma{i}", (case.N,)))
+            if op[1] != "rms_norm":
+                out.append((f"beta{i}", (case.N,)))
+    return out
+
+
+def build(case: Case) -> tvm.IRModule:
+    """The Relax module of ``case`` (function ``main``), built with a BlockBuilder."""
+    op = relax.op
+    dt = case.dtype
+    bb = relax.BlockBuilder()
+    vs = {name: relax.Var(name, relax.TensorType(shape, dt)) for name, shape in params(case)}
+    const = lambda v: relax.const(v, dt)  # noqa: E731
+    with bb.function("main", list(vs.values())):
+        with bb.dataflow():
+            w = bb.emit(op.permute_dims(vs["w"])) if case.linear else vs["w"]
+            y = bb.emit(op.matmul(vs["x"], w))
+            kept = []
+            for i, tok in enumerate(case.ops):
+                kind = tok[0]
+                if kind == "keep":
+                    kept.append(y)
+                elif kind == "bias":
+                    y = bb.emit(op.add(y, vs[f"b{i}"]))
+                elif kind == "residual":
+                    y = bb.emit(op.add(y, vs[f"r{i}"]))
+                elif kind == "scale":
+                    y = bb.emit(op.multiply(y, const(tok[1])))
+                elif kind == "act":
+                    fn = getattr(op.nn, tok[1], None) or getattr(op, tok[1])
+                    y = bb.emit(fn(y))
+                elif kind == "cast":
+                    y = bb.emit(op.astype(bb.emit(op.astype(y, tok[1])), dt))
+                elif kind == "square":
+                    y = bb.emit(op.power(y, const(2.0)))
+                else:
+                    y = _emit_reduction(bb, y, tok[1], vs, i, const)
+            result = bb.emit_output(relax.Tuple([y, *kept]) if kept else y)
+        bb.emit_func_output(result)
+    return bb.get()
+
+
+def _emit_reduction(bb, y, kind, vs, i, const):
+    """One row reduction over the last axis, combined back with the tile."""
+    op = relax.op
+    if kind == "layer_norm":
+        return bb.emit(op.nn.layer_norm(y, vs[f"gamma{i}"], vs[f"beta{i}"], axes=[-1], epsilon=EPS))
+    if kind == "rms_norm":
+        return bb.emit(op.nn.rms_norm(y, vs[f"gamma{i}"], axes=[-1], epsilon=EPS))
+    if kind == "softmax":
+        return bb.emit(op.nn.softmax(y, axis=-1))
+    if kind == "mean_sub":
+        return bb.emit(op.subtract(y, bb.emit(op.mean(y, axis=[-1], keepdims=True))))
+    if kind == "max_sub":
+        return bb.emit(op.subtract(y, bb.emit(op.max(y, axis=[-1], keepdims=True))))
+    if kind == "sum_sub":
+        n = int(y.ty.shape.values[-1])
+        s = bb.emit(op.sum(y, axis=[-1], keepdims=True))
+        return bb.emit(op.subtract(y, bb.emit(op.multiply(s, const(1.0 / n)))))
+    if kind == "var_scale":
+        v = bb.emit(op.variance(y, axis=[-1], keepdims=True))
+        return bb.emit(op.multiply(y, bb.emit(op.rsqrt(bb.emit(op.add(v, const(EPS)))))))
+    if kind == "ln_decomposed":
+        mean = bb.emit(op.mean(y, axis=[-1], keepdims=True))
+        c = bb.emit(op.subtract(y, mean))
+        var = bb.emit(op.mean(bb.emit(op.multiply(c, c)), axis=[-1], keepdims=True))
+        inv = bb.emit(op.rsqrt(bb.emit(op.add(var, const(EPS)))))
+        return bb.emit(op.add(bb.emit(op.multiply(bb.emit(op.multiply(c, inv)), vs[f"gamma{i}"])), vs[f"beta{i}"]))
+    raise ValueError(f"unknown reduction {kind!r}")
+
+
+def inputs(case: Case) -> list:
+    """Seeded inputs (float32 storage, already rounded to ``case.dtype``), NaN/Inf injected."""
+    rng = np.random.default_rng(case.input_seed)
+    out = []
+    for name, shape in params(case):
+        a = rng.standard_normal(shape) * case.scale
+        if name == "w":
+            a /= np.sqrt(case.K)
+        out.append(a)
+    if case.special:
+        for _ in range(int(rng.integers(1, 4))):
+            a = out[int(rng.integers(len(out)))]
+            idx = tuple(int(rng.integers(d)) for d in a.shape)
+            a[idx] = np.nan if case.special == "nan" else float(rng.choice([np.inf, -np.inf]))
+    return [a.astype(NP_DTYPE[case.dtype]).astype(np.float32) for a in out]
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def _round(a, dtype):
+    with np.errstate(over="ignore", invalid="ignore"):
+        return a.astype(NP_DTYPE[dtype]).astype(np.float64)
+
+
+def reference(case: Case, args: list) -> list:
+    """The float64 NumPy value of ``case`` on ``args`` (casts round as the graph says)."""
+    vs = {name: np.asarray(a, np.float64) for (name, _), a in zip(params(case), args)}
+    w = vs["w"].T if case.linear else vs["w"]
+    with np.errstate(all="ignore"):
+        y = vs["x"] @ w
+        kept = []
+        for i, tok in enumerate(case.ops):
+            kind = tok[0]
+            if kind == "keep":
+                kept.append(y)
+            elif kind == "bias":
+                y = y + vs[f"b{i}"]
+            elif kind == "residual":
+                y = y + vs[f"r{i}"]
+            elif kind == "scale":
+                y = y * tok[1]
+            elif kind == "act":
+                y = _np_act(tok[1], y)
+            elif kind == "cast":
+                y = _round(y, tok[1])
+            elif kind == "square":
+                y = y * y
+            else:
+                y = _np_reduction(tok[1], y, vs, i)
+    return [y, *kept]
+
+
+def _np_act(name, v):
+    if name == "relu":
+        return np.maximum(v, 0)
+    if name == "gelu":
+        return 0.5 * v * (1 + np.vectorize(math.erf, otypes=[float])(v / math.sqrt(2)))
+    if name == "silu":
+        return v / (1 + np.exp(-v))
+    if name == "tanh":
+        return np.tanh(v)
+    return 1 / (1 + np.exp(-v))
+
+
+def _np_reduction(kind, y, vs, i):
+    mean = y.mean(-1, keepdims=True)
+    var = ((y - mean) ** 2).mean(-1, keepdims=True)
+    if kind in ("layer_norm", "ln_decomposed"):
+        return (y - mean) / np.sqrt(var + EPS) * vs[f"gamma{i}"] + vs[f"beta{i}"]
+    if kind == "rms_norm":
+        return y / np.sqrt((y * y).mean(-1, keepdims=True) + EPS) * vs[f"gamma{i}"]
+    if kind == "softmax":
+        e = np.exp(y - y.max(-1, keepdims=True))
+        return e / e.sum(-1, keepdims=True)
+    if kind in ("mean_sub", "sum_sub"):
+        return y - mean
+    if kind == "max_sub":
+        return y - y.max(-1, keepdims=True)
+    if kind == "var_scale":
+        return y / np.sqrt(var + EPS)
+    raise ValueError(kind)
+
+
+# ----------------------------------------------------------------------------- oracle
+
+
+def _compile_run(mod, args, comfuse):
+    ex = rt.compile_module(mod, "llvm", comfuse=comfuse)
+    dev = tvm.cpu()
+    return rt.run(ex, rt.to_device(args, rt.param_dtypes(mod), dev), dev)
+
+
+def _mismatch(ours, theirs, ref, dtype, tol_table) -> str:
+    """Why ``ours`` disagrees with ``theirs`` (empty when they agree); see the module doc."""
+    if ours.shape != theirs.shape:
+        return f"shape {ours.shape} vs {theirs.shape}"
+    for what, test in (("NaN", np.isnan), ("+Inf", np.isposinf), ("-Inf", np.isneginf)):
+        if (test(ours) != test(theirs)).any():
+            return f"{what} positions differ ({int((test(ours) != test(theirs)).sum())} elements)"
+    fin = np.isfinite(theirs) & np.isfinite(ref)
+    if not fin.any():
+        return ""
+    ours, theirs, ref = ours[fin], theirs[fin], ref[fin]
+    mag = max(1.0, float(np.abs(theirs).max()))
+    err = float(np.abs(ours - theirs).max()) / mag
+    if err <= tol_table[dtype]:
+        return ""
+    ours_ref = float(np.abs(ours - ref).max()) / mag
+    theirs_ref = float(np.abs(theirs - ref).max()) / mag
+    if ours_ref <= 1.05 * theirs_ref + tol_table[dtype]:
+        return ""  # farther from vanilla, but no farther from the exact value than vanilla is
+    return f"max rel. error {err:.3g} > {tol_table[dtype]} (vs float64: ours {ours_ref:.3g}, vanilla {theirs_ref:.3g})"
+
+
+def check(case: Case) -> dict:
+    """Compile and run ``case`` both ways; return the per-case record (``ok`` says pass/fail)."""
+    rec = {"seed": case.seed, "pattern": case.describe(), "dtype": case.dtype, "case": case.to_json(),
+           "shapes": {n: list(s) for n, s in params(case)}, "groups": [], "oracle": "vanilla", "ok": False, "error": ""}
+    try:
+        mod = build(case)
+        rec["groups"] = [f"{g.kind}{'' if g.fused else ' (vanilla)'}: " + ">".join(o.rsplit(".", 1)[-1] for o in g.ops)
+                         for g in analyze(mod)]
+        args = inputs(case)
+        ref = [r.reshape(-1) for r in reference(case, args)]
+        ours = [o.reshape(-1) for o in _compile_run(mod, args, comfuse=True)]
+    except Exception as e:  # pylint: disable=broad-except
+        rec["error"] = f"comfuse: {type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+        return rec
+    if vanilla_supported(case):
+        try:
+            theirs = [o.reshape(-1) for o in _compile_run(mod, args, comfuse=False)]
+        except Exception as e:  # pylint: disable=broad-except
+            rec["error"] = f"vanilla failed ({type(e).__name__}); not a ComFuse verdict"
+            rec["ok"] = True
+            return rec
+        tol = TOL
+    else:
+        rec["oracle"], theirs, tol = "numpy", ref, REF_TOL
+    if len(ours) != len(theirs):
+        rec["error"] = f"{len(ours)} outputs vs {len(theirs)}"
+        return rec
+    why = [m for m in (_mismatch(o, t, r, tolerance_dtype(case), tol) for o, t, r in zip(ours, theirs, ref)) if m]
+    rec["error"] = "; ".join(f"output: {m}" for m in why)
+    rec["ok"] = not why
+    return rec
+
+
+def fails(case: Case) -> bool:
+    """The default shrink predicate: ``check`` reports a mismatch or a ComFuse failure."""
+    return not check(case)["ok"]
+
+
+# ----------------------------------------------------------------------------- shrinking
+
+
+def _smaller(case: Case):
+    """Candidate simplifications of ``case``, most aggressive first."""
+    rep = dataclasses.replace
+    for i in range(len(case.ops)):
+        yield rep(case, ops=case.ops[:i] + case.ops[i + 1:])
+    if case.batch:
+        yield rep(case, batch=None)
+    if case.linear:
+        yield rep(case, linear=False)
+    if case.special:
+        yield rep(case, special="")
+    if case.scale != 1.0:
+        yield rep(case, scale=1.0)
+    for dim in ("M", "K", "N"):
+        n = getattr(case, dim)
+        for smaller in sorted({1, 2, n // 2, n - 1}):
+            if 0 < smaller < n:
+                yield rep(case, **{dim: smaller})
+    if case.dtype != "float32":
+        yield rep(case, dtype="float32")
+
+
+def shrink(case: Case, predicate=fails, budget: int = 300) -> dict:
+    """Greedily simplify a failing ``case`` while ``predicate`` still holds.
+
+    Tries fewer ops / outputs, 2-D instead of batched, plain instead of linear weights, clean
+    inputs, smaller dims; keeps the first simplification that still fails and starts over.
+    Returns ``{"case", "script", "input_seed", "steps"}`` for the minimal case found.
+    """
+    assert predicate(case), "shrink needs a failing case"
+    steps = 0
+    improved = True
+    while improved and steps < budget:
+        improved = False
+        for cand in _smaller(case):
+            steps += 1
+            if predicate(cand):
+                case, improved = cand, True
+                break
+    return {"case": case, "script": build(case).script(), "input_seed": case.input_seed, "steps": steps}
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def fuzz(cases: int, seed: int = 0, log=None) -> dict:
+    """Run ``cases`` cases with seeds ``seed, seed+1, ...``; return the report dict."""
+    records, t0 = [], time.time()
+    for s in range(seed, seed + cases):
+        rec = check(generate(s))
+        records.append(rec)
+        if log and not rec["ok"]:
+            log(f"FAIL seed={s} {rec['dtype']} {rec['pattern']}: {rec['error']}")
+    kinds = collections.Counter(g.split(":")[0] for r in records for g in r["groups"])
+    return {
+        "cases": len(records),
+        "failures": sum(not r["ok"] for r in records),
+        "groups": dict(sorted(kinds.items())),
+        "oracle": dict(collections.Counter(r["oracle"] for r in records)),
+        "seconds": round(time.time() - t0, 1),
+        "records": records,
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tvm_comfuse.testing.fuzz", description=__doc__.split("\n")[0])
+    parser.add_argument("--cases", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", help="write the JSON report here")
+    parser.add_argument("--shrink", action="store_true", help="shrink each failure (slow)")
+    args = parser.parse_args(argv)
+    report = fuzz(args.cases, args.seed, log=lambda line: print(line, flush=True))
+    if args.shrink:
+        for rec in report["records"]:
+            if not rec["ok"]:
+                small = shrink(Case.from_json(rec["case"]))
+                rec["shrunk"] = {"case": small["case"].to_json(), "script": small["script"]}
+                print(f"shrunk seed={rec['seed']}: {small['case'].describe()}\n{small['script']}")
+    print(f"cases: {report['cases']}  failures: {report['failures']}  seconds: {report['seconds']}")
+    print("groups formed: " + ", ".join(f"{k}={v}" for k, v in report["groups"].items()))
+    print("oracle: " + ", ".join(f"{k}={v}" for k, v in report["oracle"].items()))
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=1)
+    return 1 if report["failures"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
