@@ -24,11 +24,6 @@ def compile_module(mod: tvm.IRModule, target, comfuse: bool = True, database=Non
         return tvm.compile(mod, target=target, relax_pipeline=get_pipeline(target, database), tir_pipeline=TIR_PIPELINE)
 
 
-def device_for(target) -> tvm.runtime.Device:
-    """The first device of the target's kind."""
-    return tvm.device(parse_target(target).kind.name, 0)
-
-
 def to_device(arrays, dtypes, device):
     """NumPy arrays cast to ``dtypes`` (bf16 through ml_dtypes) as TVM tensors on ``device``."""
     import ml_dtypes  # pylint: disable=import-outside-toplevel

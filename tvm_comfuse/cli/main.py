@@ -6,12 +6,13 @@ import argparse
 import sys
 
 from ..errors import ComFuseError
-from . import bench, demo
+from . import bench, demo, tune
 
 EPILOG = """examples:
   comfuse demo                      fuse, check and generate CUDA for the demo workloads
   comfuse demo --out build/demo     also write the generated CUDA source there
   comfuse bench                     time the post-norm suite on a GPU (writes notebooks/results/)
+  comfuse tune tiny-postnorm --trials 8   tune the fused PrimFuncs (logs in tuning_logs/llvm/tiny-postnorm/)
 """
 
 
@@ -25,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo.add_parser(sub)
     bench.add_parser(sub)
+    tune.add_parser(sub)
     return parser
 
 

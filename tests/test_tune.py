@@ -1,0 +1,208 @@
+"""``comfuse tune``: logs, resume, interruption, compile from logs, bad inputs, RPC (CPU only)."""
+
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import tvm
+
+from tvm_comfuse import runtime, workloads
+from tvm_comfuse.cli.main import main
+from tvm_comfuse.tune import WorkDir, applied_from_database, load_workload
+from tvm_comfuse.tune.logs import RECORD_FILE, WORKLOAD_FILE
+
+TARGET = '{"kind": "llvm", "num-cores": 2}'
+
+
+def _tune(*args):
+    return main(["tune", "tiny-postnorm", "--target", TARGET, "--quiet", *args])
+
+
+def _records(work):
+    with open(work / RECORD_FILE, "rb") as f:
+        return f.read().splitlines(keepends=True)
+
+
+def _digest(work):
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(work.iterdir())}
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory):
+    """A work dir tuned with 3 trials, then resumed to 5."""
+    work = tmp_path_factory.mktemp("tune") / "logs"
+    assert _tune("--trials", "3", "--work-dir", str(work)) == 0
+    first = _records(work)
+    assert _tune("--trials", "5", "--work-dir", str(work)) == 0
+    return work, first
+
+
+def test_logs_written_and_resume_appends(tuned, capsys):
+    work, first = tuned
+    assert {WORKLOAD_FILE, RECORD_FILE, "comfuse_meta.json", "summary.txt"} <= set(os.listdir(work))
+    assert len(first) == 3
+    after = _records(work)
+    assert len(after) == 5 and after[:3] == first  # earlier records byte-for-byte
+    assert "gemm_reduce" in (work / "summary.txt").read_text()
+    before = _digest(work)
+    assert _tune("--trials", "5", "--work-dir", str(work)) == 0  # nothing left to do
+    assert _records(work) == after
+    assert "1 of 1 PrimFuncs will compile from these logs" in capsys.readouterr().out
+    assert {k: v for k, v in _digest(work).items() if k != "summary.txt"} == {k: v for k, v in before.items() if k != "summary.txt"}
+
+
+def test_compile_from_logs_matches_vanilla(tuned):
+    work, _ = tuned
+    _, mod = load_workload("tiny-postnorm")
+    assert applied_from_database(mod, "llvm", str(work)) == (1, 1)
+    args = workloads.random_inputs(mod, seed=1)
+    dev = tvm.cpu()
+    outs = []
+    for comfuse, db in ((True, str(work)), (False, None)):
+        ex = runtime.compile_module(mod, "llvm", comfuse=comfuse, database=db)
+        outs.append(runtime.run(ex, runtime.to_device(args, runtime.param_dtypes(mod), dev), dev))
+    for a, b in zip(*outs):
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
+
+
+def _bad(work, *args, target=TARGET, workload="tiny-postnorm"):
+    before = _digest(work)
+    code = main(["tune", workload, "--target", target, "--quiet", "--work-dir", str(work), *args])
+    assert code == 2
+    assert _digest(work) == before
+    return code
+
+
+@pytest.mark.parametrize("case", ["workload", "target", "other-target", "other-tvm", "corrupt", "truncated", "no-gpu", "tracker"])
+def test_bad_inputs_leave_logs_identical(tuned, tmp_path, capsys, case):
+    import shutil
+
+    work = tmp_path / "logs"
+    shutil.copytree(tuned[0], work)
+    if case == "workload":
+        _bad(work, workload="no-such-model")
+        assert "unknown workload" in capsys.readouterr().err and "tiny-postnorm" in capsys.readouterr().err + "tiny-postnorm"
+    elif case == "target":
+        _bad(work, target="cuda -arch=sm_90")
+        assert "target" in capsys.readouterr().err
+    elif case == "other-target":
+        _bad(work, target='{"kind": "llvm", "num-cores": 1}')
+        assert "tuned for target" in capsys.readouterr().err
+    elif case == "other-tvm":
+        meta = json.loads((work / "comfuse_meta.json").read_text())
+        meta["tvm_version"] = "0.1.0"
+        (work / "comfuse_meta.json").write_text(json.dumps(meta))
+        _bad(work)
+        assert "TVM version" in capsys.readouterr().err
+    elif case in ("corrupt", "truncated"):
+        data = (work / RECORD_FILE).read_bytes()
+        lines = data.splitlines(keepends=True)
+        if case == "corrupt":
+            lines[1] = b"[0, garbage]\n"
+            (work / RECORD_FILE).write_bytes(b"".join(lines))
+        else:
+            (work / RECORD_FILE).write_bytes(data[: len(data) - len(lines[-1]) // 2])
+        _bad(work)
+        err = capsys.readouterr().err
+        assert RECORD_FILE in err and f"line {2 if case == 'corrupt' else len(lines)}" in err
+    elif case == "no-gpu":
+        import tvm
+
+        if tvm.cuda(0).exist:
+            pytest.skip("a GPU is present")
+        _bad(work, target="nvidia/nvidia-h100")
+        assert "none was found" in capsys.readouterr().err
+    else:
+        _bad(work, "--rpc-tracker", "127.0.0.1:1", "--rpc-key", "k")
+        assert "cannot reach the RPC tracker" in capsys.readouterr().err
+
+
+def test_interrupted_run_keeps_its_records(tmp_path):
+    work = tmp_path / "logs"
+    cmd = [sys.executable, "-m", "tvm_comfuse.cli.main", "tune", "tiny-postnorm", "--target", TARGET, "--quiet",
+           "--trials", "200", "--batch", "2", "--work-dir", str(work)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not (work / RECORD_FILE).exists() or (work / RECORD_FILE).stat().st_size == 0:
+            assert time.time() < deadline, "no record appeared"
+            time.sleep(0.5)
+    finally:
+        proc.send_signal(signal.SIGKILL)  # a crash: no chance to clean up
+        proc.wait()
+    kept = _records(work)
+    assert kept
+    WorkDir(str(work), __import__("tvm_comfuse").parse_target(TARGET)).check()  # every line parses
+    assert _tune("--trials", str(len(kept) + 2), "--work-dir", str(work), "--batch", "2") == 0
+    assert _records(work)[: len(kept)] == kept
+
+
+def _wait(ready, timeout=90):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            if ready():
+                return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError("RPC tracker/server did not come up")
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_rpc_tracker_on_loopback(tmp_path):
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "tvm.exec.rpc_tracker", "--host", "127.0.0.1", "--port", str(port), "--port-end", str(port + 1)])]  # 0.27: port-end defaults to 9199
+    try:
+        _wait(lambda: socket.create_connection(("127.0.0.1", port), timeout=1).close() is None)
+        procs.append(subprocess.Popen([sys.executable, "-m", "tvm.exec.rpc_server", "--tracker", f"127.0.0.1:{port}", "--key", "ci-cpu"]))
+        from tvm import rpc
+
+        _wait(lambda: "ci-cpu" in rpc.connect_tracker("127.0.0.1", port).summary().get("queue_info", {}))
+        work = tmp_path / "rpc"
+        assert _tune("--trials", "2", "--work-dir", str(work), "--rpc-tracker", f"127.0.0.1:{port}", "--rpc-key", "ci-cpu") == 0
+        secs = WorkDir(str(work), __import__("tvm_comfuse").parse_target(TARGET)).scan()[1]
+        assert len(secs) == 2 and any(s and s[0] < 1e9 for _, s in secs)  # measured remotely
+    finally:
+        for p in reversed(procs):
+            p.kill()
+            p.wait()
+
+
+def test_help_shows_examples(capsys):
+    with pytest.raises(SystemExit):
+        main(["tune", "--help"])
+    out = capsys.readouterr().out
+    assert "comfuse tune tiny-postnorm --trials" in out and "bert-base-attnout" in out
+
+
+def test_gpu_gemm_reduce_tasks_search_the_rule_space():
+    """On a CUDA target the tuner's space for a gemm_reduce task is the ComFuse rule's:
+    one complete schedule per configuration that fits (generated here without a GPU)."""
+    from tvm.s_tir import meta_schedule as ms  # pylint: disable=import-outside-toplevel
+
+    from tvm_comfuse import workloads  # pylint: disable=import-outside-toplevel
+    from tvm_comfuse.pipeline import fusion_passes  # pylint: disable=import-outside-toplevel
+    from tvm_comfuse.schedule.config import MmaConfig, candidates  # pylint: disable=import-outside-toplevel
+    from tvm_comfuse.tune.space import space_for  # pylint: disable=import-outside-toplevel
+
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
+    mod = tvm.transform.Sequential(fusion_passes(target))(workloads.post_norm(512, 256, 768, "float16", linear=True))
+    func = mod[str(next(iter(mod.attrs["comfuse.groups"].keys())))].with_attr("global_symbol", "main")
+    task = tvm.IRModule({"main": func})
+    label, space = space_for("gemm_reduce", task, target)
+    assert label == "comfuse-gemm_reduce"
+    ctx = ms.TuneContext(mod=task, target=target, space_generator=space, task_name="t", num_threads=1)
+    assert len(ctx.generate_design_space()) == len(candidates(MmaConfig, "sm_90", 768)) > 1

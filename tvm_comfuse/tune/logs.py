@@ -1,0 +1,159 @@
+"""The work directory: MetaSchedule's JSON logs plus ``comfuse_meta.json``, checked before use.
+
+Everything here reads; nothing rewrites a log. Checks run before MetaSchedule opens the
+database (which would append to it), so a bad work directory is reported with the file and
+line at fault and left byte-identical. ``comfuse_meta.json`` records the target and TVM
+version the logs were measured with: a record tuned for another target or TVM build is not
+a valid measurement here, and MetaSchedule would silently ignore or misapply it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tvm
+import tvm_ffi
+from tvm.s_tir import meta_schedule as ms
+
+from ..errors import ComFuseError
+
+WORKLOAD_FILE = "database_workload.json"
+RECORD_FILE = "database_tuning_record.json"
+META_FILE = "comfuse_meta.json"
+#: run_secs MetaSchedule records for a candidate that failed to build or run.
+FAILED_SECS = 1e9
+
+
+def target_name(target: tvm.target.Target) -> str:
+    """A directory name for ``target``: its tag, else kind and arch/mcpu (``cuda-sm_90``, ``llvm``)."""
+    tag = str(target.attrs.get("tag", "") or getattr(target, "tag", "") or "")
+    if tag:
+        name = tag
+    else:
+        detail = target.attrs.get("arch") or target.attrs.get("mcpu")
+        name = f"{target.kind.name}-{detail}" if detail else target.kind.name
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
+
+
+def default_work_dir(target: tvm.target.Target, workload: str) -> str:
+    """``tuning_logs/<target-name>/<workload>/``."""
+    return os.path.join("tuning_logs", target_name(target), re.sub(r"[^A-Za-z0-9_.-]+", "_", workload))
+
+
+class WorkDir:
+    """A tuning work directory for one target; :meth:`check` before :meth:`database`."""
+
+    def __init__(self, path: str, target: tvm.target.Target):
+        self.path = path
+        self.target = target
+        self.workload_path = os.path.join(path, WORKLOAD_FILE)
+        self.record_path = os.path.join(path, RECORD_FILE)
+        self.meta_path = os.path.join(path, META_FILE)
+
+    # -- checks ---------------------------------------------------------------------------
+    def expected_meta(self) -> dict:
+        return {"target": str(self.target), "tvm_version": tvm.__version__}
+
+    def check(self) -> None:
+        """Raise :class:`ComFuseError` if the logs here belong elsewhere or do not parse."""
+        if os.path.exists(self.path) and not os.path.isdir(self.path):
+            raise ComFuseError(f"work dir {self.path!r} exists and is not a directory")
+        self._check_meta()
+        self.scan()
+
+    def _check_meta(self) -> None:
+        if not os.path.isfile(self.meta_path):
+            return
+        try:
+            with open(self.meta_path, encoding="utf-8") as f:
+                meta = json.load(f)
+        except (OSError, json.JSONDecodeError) as err:
+            raise ComFuseError(f"{self.meta_path}: unreadable ({err})") from None
+        want = self.expected_meta()
+        for key, what in (("target", "target"), ("tvm_version", "TVM version")):
+            if meta.get(key) != want[key]:
+                raise ComFuseError(
+                    f"{self.path}: these logs were tuned for {what} {meta.get(key)!r}, not {want[key]!r} "
+                    f"({self.meta_path}). Records do not transfer between targets or TVM versions: "
+                    "use another --work-dir (the default one is per target)."
+                )
+
+    def scan(self) -> tuple[list[str], list]:
+        """Validate both logs line by line: ``(workload hashes, [(workload index, run_secs)])``."""
+        hashes = [entry[0] for entry in self._lines(self.workload_path, self._workload_entry)]
+        records = []
+        for lineno, entry in enumerate(self._lines(self.record_path, self._record_entry), 1):
+            index, record = entry
+            if not 0 <= index < len(hashes):
+                raise self._corrupt(self.record_path, lineno, f"workload index {index} not in {WORKLOAD_FILE} ({len(hashes)} workloads)")
+            kind = record[2].get("kind") if isinstance(record[2], dict) else None
+            if kind != self.target.kind.name:
+                raise ComFuseError(
+                    f"{self.record_path}, line {lineno}: a record measured on target kind {kind!r}, "
+                    f"not {self.target.kind.name!r}. Use another --work-dir for this target."
+                )
+            records.append((index, record[1]))
+        return hashes, records
+
+    @staticmethod
+    def _workload_entry(entry) -> bool:
+        return isinstance(entry, list) and len(entry) == 2 and all(isinstance(e, str) for e in entry)
+
+    @staticmethod
+    def _record_entry(entry) -> bool:
+        return (
+            isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], int)
+            and isinstance(entry[1], list) and len(entry[1]) == 4
+        )
+
+    def _lines(self, path: str, valid):
+        if not os.path.isfile(path):
+            return
+        with open(path, "rb") as f:
+            data = f.read()
+        lines = data.split(b"\n")
+        for lineno, raw in enumerate(lines, 1):
+            if not raw.strip():
+                if lineno < len(lines):
+                    raise self._corrupt(path, lineno, "empty line")
+                continue
+            try:
+                entry = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as err:
+                last = lineno == len(lines)
+                raise self._corrupt(path, lineno, ("truncated: " if last else "") + f"not JSON ({err.msg})") from None
+            if not valid(entry):
+                raise self._corrupt(path, lineno, "not a MetaSchedule entry")
+            yield entry
+
+    @staticmethod
+    def _corrupt(path: str, lineno: int, why: str) -> ComFuseError:
+        return ComFuseError(
+            f"{path}, line {lineno}: corrupted tuning log ({why}). The log was left untouched; "
+            f"keep lines 1-{lineno - 1} (e.g. `head -n {lineno - 1}`) to recover the records before it, "
+            "or tune into another --work-dir."
+        )
+
+    # -- use ------------------------------------------------------------------------------
+    def has_logs(self) -> bool:
+        return os.path.isfile(self.workload_path) or os.path.isfile(self.record_path)
+
+    def run_secs_for(self, mod: tvm.IRModule) -> list:
+        """The mean run time of every record (good or failed) the logs hold for the task ``mod``."""
+        hashes, records = self.scan()
+        shash = str(tvm_ffi.structural_hash(mod))
+        mine = {i for i, h in enumerate(hashes) if h == shash}
+        return [sum(secs) / len(secs) if secs else FAILED_SECS for i, secs in records if i in mine]
+
+    def record_count(self) -> int:
+        return len(self.scan()[1])
+
+    def open(self) -> ms.database.JSONDatabase:
+        """Create the directory and meta file if needed; the JSONDatabase (appends as it measures)."""
+        os.makedirs(self.path, exist_ok=True)
+        if not os.path.isfile(self.meta_path):
+            with open(self.meta_path, "w", encoding="utf-8") as f:
+                json.dump(self.expected_meta(), f, indent=1)
+                f.write("\n")
+        return ms.database.JSONDatabase(path_workload=self.workload_path, path_tuning_record=self.record_path)
