@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 
+from . import subcommand
 from .. import bench, workloads
 from ..errors import ComFuseError
 
@@ -17,13 +17,7 @@ EXAMPLES = """examples:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser(
-        "bench",
-        help="time ComFuse against cuBLAS, eager, torch.compile and vanilla TVM on a GPU",
-        description=bench.__doc__,
-        epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = subcommand(sub, "bench", "time ComFuse against cuBLAS, eager, torch.compile and vanilla TVM on a GPU", bench.__doc__, EXAMPLES, run)
     names = [s.name for s in workloads.SUITE]
     p.add_argument("--shapes", nargs="+", default=names, choices=names, metavar="SHAPE", help=f"from {names}")
     p.add_argument("--norms", nargs="+", default=["layer_norm"], choices=["layer_norm", "rms_norm", "softmax"])
@@ -33,7 +27,6 @@ def add_parser(sub) -> None:
         choices=bench.CONTENDERS, help="max-autotune is off by default: it compiles for minutes",
     )
     p.add_argument("--out", help="results JSON (default notebooks/results/bench-<gpu>-<date>.json)")
-    p.set_defaults(func=run)
 
 
 def run(args) -> int:

@@ -9,7 +9,6 @@ the GPU. Exit status 0 only if every check passed.
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import tvm
 
+from . import subcommand
 from .. import codegen, runtime, workloads
 from ..transform import analyze
 from ..graph import format_groups
@@ -42,17 +42,10 @@ class Case:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser(
-        "demo",
-        help="fuse, check and generate CUDA for a post-norm block and a small BERT encoder",
-        description=__doc__,
-        epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = subcommand(sub, "demo", "fuse, check and generate CUDA for a post-norm block and a small BERT encoder", __doc__, EXAMPLES, run)
     p.add_argument("--out", help="directory to write the generated CUDA source (<workload>.cu)")
     p.add_argument("--arch", default="sm_90", help="CUDA architecture for code generation (default sm_90)")
     p.add_argument("--skip-bert", action="store_true", help="skip the HuggingFace BERT encoder")
-    p.set_defaults(func=run)
 
 
 def _cases(skip_bert: bool) -> list:

@@ -8,9 +8,9 @@ run keeps every record measured so far. The library is tvm_comfuse.tune.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
+from . import subcommand
 from .. import tune as tuning
 
 EXAMPLES = """examples:
@@ -27,13 +27,7 @@ workloads: """ + ", ".join(tuning.WORKLOADS)
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser(
-        "tune",
-        help="tune the fused PrimFuncs of a workload with MetaSchedule (resumable logs)",
-        description=__doc__,
-        epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = subcommand(sub, "tune", "tune the fused PrimFuncs of a workload with MetaSchedule (resumable logs)", __doc__, EXAMPLES, run)
     p.add_argument("workload", metavar="WORKLOAD", help="a workload name (see below) or a TVMScript file")
     p.add_argument("--target", default="llvm", help='tag, JSON dict or "llvm" (default llvm)')
     p.add_argument("--trials", type=int, default=64, help="total trials for the work dir, all tasks together (default 64)")
@@ -45,7 +39,6 @@ def add_parser(sub) -> None:
     p.add_argument("--batch", type=int, default=64, help="candidates per measurement round; logs grow after each (default 64)")
     p.add_argument("--rpc-tracker", metavar="HOST:PORT", help="measure through this TVM RPC tracker")
     p.add_argument("--rpc-key", metavar="KEY", help="the device key registered with the tracker")
-    p.set_defaults(func=run)
 
 
 def run(args) -> int:
