@@ -9,9 +9,12 @@ from tvm_comfuse import workloads as wl
 pytestmark = pytest.mark.skipif(not codegen.have_nvcc(), reason="nvcc is not installed")
 
 
-@pytest.mark.parametrize("dtype, norm", [("float16", "layer_norm"), ("bfloat16", "rms_norm"), ("float32", "softmax")])
-def test_gemm_reduce_cuda_compiles_with_nvcc(dtype, norm):
-    mod = wl.post_norm(100, 72, 40, dtype, norm, linear=True, residual_out=True)
+@pytest.mark.parametrize(
+    "dtype, norm, linear",
+    [("float16", "layer_norm", True), ("float16", "layer_norm", False), ("bfloat16", "rms_norm", True), ("float32", "softmax", True)],
+)
+def test_gemm_reduce_cuda_compiles_with_nvcc(dtype, norm, linear):
+    mod = wl.post_norm(100, 72, 40, dtype, norm, linear=linear, residual_out=True)
     (group,) = [g for g in cf.analyze(mod) if g.fused]
     ex = runtime.compile_module(mod, {"kind": "cuda", "arch": "sm_90"})
     source = codegen.cuda_source(ex)

@@ -28,7 +28,7 @@ from ..target import is_gpu
 from ..transform.fuse_compute_memory import KIND_ATTR
 from .blocks import copied_buffer, inline_all, is_reduction, output_buffers, read_blocks, writes_output
 from .config import MmaConfig, RowTileConfig, candidates, default
-from .mma_mainloop import schedule_mma_mainloop
+from .mma_mainloop import gemm_maps, schedule_mma_mainloop
 from .row_epilogue import bind_spatial, schedule_row_epilogue
 from .simt_mainloop import schedule_simt_mainloop
 
@@ -100,7 +100,7 @@ class GemmRowTile(ScheduleRule):
         if n is None or not all(isinstance(d, tirx.IntImm) for d in sch.get(g.mainloop).writes[0].source.shape):
             return []
         arch = str(target.attrs.get("arch", ""))
-        if _tensor_core_eligible(sch, g.mainloop, n, arch):
+        if _tensor_core_eligible(sch, g, n, arch):
             return candidates(MmaConfig, arch, n)
         return candidates(RowTileConfig, arch, n, _operand_bytes(sch, g.mainloop))
 
@@ -167,9 +167,18 @@ def _tensor_core_dtype_ok(dtype: str, n, k, arch: str) -> bool:
     return dtype == "float16" and isinstance(k, int) and n % 8 == 0 and k % 8 == 0 and arch.startswith("sm_")
 
 
-def _tensor_core_eligible(sch: s_tir.Schedule, mm, n: int, arch: str) -> bool:
-    """Whether the (2-D) GEMM block ``mm`` takes the tensor-core mainloop."""
-    block = sch.get(mm)
+def _tensor_core_eligible(sch: s_tir.Schedule, g, n: int, arch: str) -> bool:
+    """Whether the group's (2-D) GEMM takes the tensor-core mainloop: only with the weight
+    as PyTorch's linear stores it (``[N, K]``, seen once the transpose prologue is inlined);
+    the ``[K, N]`` layout's transposed shared-memory copy does not generate valid CUDA yet
+    (vector loads TVM cannot print)."""
+    probe = sch.copy()
+    for rv in g.prologue:
+        probe.compute_inline(rv)
+    block = probe.get(g.mainloop)
+    maps = gemm_maps(block)
+    if maps is None or not maps[0]:
+        return False
     operands = {str(r.source.dtype) for r in block.reads if r.source not in {w.source for w in block.writes}}
     k = [iv.dom.extent for iv in block.iter_vars if iv.iter_type == tirx.IterVar.CommReduce]
     if len(operands) != 1 or len(block.iter_vars) != 3 or len(k) != 1 or not isinstance(k[0], tirx.IntImm):

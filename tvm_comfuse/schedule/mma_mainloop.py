@@ -24,7 +24,7 @@ def _uses(expr, var) -> bool:
     return any(v.same_as(var) for v in tirx.analysis.undefined_vars(expr))
 
 
-def _gemm_maps(stmt):
+def gemm_maps(stmt):
     """``(b_nk, maps)`` normalising ``C[i, j] += A[i, k] * B[k, j]`` (or ``B[j, k]``) to
     ``C[0, I, J] += A[0, I, K] * B[0, J, K]`` (built by hand: DLight's maps reject M == 1)."""
     ivs = [iv.var for iv in stmt.iter_vars]
@@ -66,7 +66,7 @@ def schedule_mma_mainloop(sch: s_tir.Schedule, mm, n: int, cfg: MmaConfig):
     )
 
     stmt = sch.get(mm)
-    found = _gemm_maps(stmt)
+    found = gemm_maps(stmt)
     if found is None:
         return None
     b_nk, (mm_map, a_map, b_map, c_map) = found
