@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 #: fp32 accumulator registers per thread we allow (of 255), leaving room for addresses.
 MAX_ACC_REGS = 128
@@ -134,7 +134,3 @@ def default(kind, arch: str | None, n: int, in_bytes: int = 2):
     found = candidates(kind, arch, n, in_bytes)
     return found[0] if found else None
 
-
-def to_json(cfg) -> dict:
-    """A configuration as the JSON object ``schedules/<arch>.json`` holds."""
-    return asdict(cfg)

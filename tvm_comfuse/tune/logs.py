@@ -136,18 +136,12 @@ class WorkDir:
         )
 
     # -- use ------------------------------------------------------------------------------
-    def has_logs(self) -> bool:
-        return os.path.isfile(self.workload_path) or os.path.isfile(self.record_path)
-
     def run_secs_for(self, mod: tvm.IRModule) -> list:
         """The mean run time of every record (good or failed) the logs hold for the task ``mod``."""
         hashes, records = self.scan()
         shash = str(tvm_ffi.structural_hash(mod))
         mine = {i for i, h in enumerate(hashes) if h == shash}
         return [sum(secs) / len(secs) if secs else FAILED_SECS for i, secs in records if i in mine]
-
-    def record_count(self) -> int:
-        return len(self.scan()[1])
 
     def open(self) -> ms.database.JSONDatabase:
         """Create the directory and meta file if needed; the JSONDatabase (appends as it measures)."""
