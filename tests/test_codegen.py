@@ -36,6 +36,20 @@ def test_gemm_reduce_group_is_one_kernel(norm):
     assert "__shared__" in source and "__shfl" in source  # on-chip row tile, warp reductions
 
 
+@pytest.mark.parametrize("dtype, norm, K, N", [("float16", "layer_norm", 256, 768), ("bfloat16", "rms_norm", 64, 72)])
+def test_symbolic_m_is_one_kernel(dtype, norm, K, N):
+    """M symbolic: the rule still schedules the group as one kernel (tensor cores for fp16),
+    its on-chip buffers have constant sizes, and nvcc compiles it."""
+    from tvm import tirx  # pylint: disable=import-outside-toplevel
+
+    mod = wl.post_norm(tirx.Var("n", "int64"), K, N, dtype, norm, linear=True, residual_out=True)
+    (group,) = [g for g in cf.analyze(mod, {"kind": "cuda", "arch": "sm_90"}) if g.fused]
+    source = codegen.cuda_source(runtime.compile_module(mod, {"kind": "cuda", "arch": "sm_90"}))
+    assert [k for k in codegen.kernel_names(source) if k.startswith(group.name)] == [group.name + "_kernel"]
+    assert ("mma.sync" in source) == (dtype == "float16")
+    codegen.compile_with_nvcc(source, "sm_90")
+
+
 def test_rule_leaves_a_relaid_out_tile_to_dlight():
     """A batch-splitting reshape inside a softmax group: DLight schedules it, still compiles."""
     from tvm import relax  # pylint: disable=import-outside-toplevel

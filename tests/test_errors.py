@@ -37,6 +37,24 @@ def test_missing_database_directory(tmp_path):
         cf.get_pipeline("llvm", database=tmp_path / "nothing-here")
 
 
+def test_unsupported_dtype_is_left_to_vanilla_and_says_why():
+    from tvm import relax  # pylint: disable=import-outside-toplevel
+
+    bb = relax.BlockBuilder()
+    x, w = relax.Var("x", relax.TensorType((16, 32), "int8")), relax.Var("w", relax.TensorType((32, 24), "int8"))
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.astype(bb.emit(relax.op.matmul(x, w, out_dtype="int32")), "float32"))
+            out = bb.emit_output(bb.emit(relax.op.nn.softmax(y, axis=-1)))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    (group,) = cf.analyze(mod)
+    assert not group.fused and "int32" in group.note and "vanilla" in group.note
+    assert "int32" in cf.format_groups([group])
+    assert cf.FuseComputeMemory()(mod).attrs is None or not cf.FuseComputeMemory()(mod).attrs.get("comfuse.groups")
+    cf.compile(mod, "llvm")  # still compiles, as vanilla TVM would
+
+
 def test_unknown_group_kind():
     with pytest.raises(ValueError, match="unknown group kind"):
         cf.FuseComputeMemory(kinds=("gemm_everything",))

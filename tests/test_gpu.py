@@ -51,6 +51,25 @@ def test_fused_post_norm_matches_pytorch(M, K, N, norm, dtype):
     assert any(k.startswith(group.name) for k in kernels)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_symbolic_m_one_build_runs_every_m(dtype):
+    """M symbolic: one build, fused on the GPU, correct for every M it is called with."""
+    import tvm  # pylint: disable=import-outside-toplevel
+
+    K, N = 256, 768
+    target = tvm.target.Target.from_device(tvm.cuda(0))
+    mod = wl.post_norm(tvm.tirx.Var("n", "int64"), K, N, dtype, "layer_norm", linear=True)
+    (group,) = [g for g in cf.analyze(mod, target) if g.fused]
+    ex = runtime.compile_module(mod, target)
+    assert any(k.startswith(group.name) for k in codegen.kernel_names(codegen.cuda_source(ex)))
+    vm = tvm.relax.VirtualMachine(ex, tvm.cuda(0))
+    for M in (1, 31, 100, 4096, 5000):
+        args = _inputs(M, K, N, dtype, linear=True)
+        out = torch.from_dlpack(vm["main"](*[tvm.runtime.from_dlpack(a) for a in args])).float()
+        ref = wl.post_norm_reference([a.float().cpu().numpy() for a in args], "layer_norm", linear=True)[0]
+        assert (out.cpu().double() - torch.from_numpy(ref)).abs().max().item() <= TOL[dtype], (M, dtype)
+
+
 def test_bert_encoder_fp16_on_gpu():
     pytest.importorskip("transformers")
     mod, params, module, example = wl.bert_encoder(layers=2, hidden=256, heads=4, batch=4, seq=64, dtype="float16")

@@ -72,6 +72,13 @@ def test_compile_from_logs_matches_vanilla(tuned):
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
 
 
+def test_logs_of_another_target_are_refused_at_compile(tuned):
+    import tvm_comfuse as cf  # pylint: disable=import-outside-toplevel
+
+    with pytest.raises(cf.ComFuseError, match="tuned for llvm, not for cuda/sm_90"):
+        cf.get_pipeline("nvidia/nvidia-h100", database=str(tuned[0]))
+
+
 def _bad(work, *args, target=TARGET, workload="tiny-postnorm"):
     before = _digest(work)
     code = main(["tune", workload, "--target", target, "--quiet", "--work-dir", str(work), *args])
@@ -80,7 +87,9 @@ def _bad(work, *args, target=TARGET, workload="tiny-postnorm"):
     return code
 
 
-@pytest.mark.parametrize("case", ["workload", "target", "other-target", "other-tvm", "corrupt", "truncated", "no-gpu", "tracker"])
+@pytest.mark.parametrize(
+    "case", ["workload", "mismatched-shapes", "target", "other-target", "other-tvm", "corrupt", "truncated", "no-gpu", "tracker"]
+)
 def test_bad_inputs_leave_logs_identical(tuned, tmp_path, capsys, case):
     import shutil
 
@@ -89,6 +98,11 @@ def test_bad_inputs_leave_logs_identical(tuned, tmp_path, capsys, case):
     if case == "workload":
         _bad(work, workload="no-such-model")
         assert "unknown workload" in capsys.readouterr().err and "tiny-postnorm" in capsys.readouterr().err + "tiny-postnorm"
+    elif case == "mismatched-shapes":
+        script = tmp_path / "mismatched.py"
+        script.write_text(load_workload("tiny-postnorm")[1].script().replace("(48, 32)", "(48, 31)"))
+        _bad(work, workload=str(script))
+        assert "not a TVMScript IRModule" in capsys.readouterr().err
     elif case == "target":
         _bad(work, target="cuda -arch=sm_90")
         assert "target" in capsys.readouterr().err

@@ -21,7 +21,9 @@ from dataclasses import asdict, dataclass
 from . import workloads
 from .runtime import compile_module
 
-CONTENDERS = ("cublas_gemm", "eager", "inductor", "inductor_max_autotune", "tvm_dlight", "comfuse")
+CONTENDERS = ("cublas_gemm", "eager", "inductor", "inductor_max_autotune", "tvm_dlight", "comfuse", "comfuse_tuned")
+#: Where ``comfuse_tuned`` reads its logs: ``tuning_logs/<target>/<shape name>/`` (``comfuse tune``).
+TUNED_TARGET = "nvidia/nvidia-h100"
 #: Max |out - fp32 reference| accepted; LayerNorm outputs are O(1), softmax outputs O(1/N).
 TOLERANCE = {"float16": 5e-2, "bfloat16": 2e-1}
 
@@ -88,10 +90,10 @@ def kernel_us(torch, fn, iters: int = 20) -> tuple:
     return sum(e.device_time for e in events) / iters, len(events) / iters
 
 
-def _tvm_callable(torch, mod, args, comfuse: bool, target):
+def _tvm_callable(torch, mod, args, comfuse: bool, target, database=None):
     import tvm  # pylint: disable=import-outside-toplevel
 
-    ex = compile_module(mod, target, comfuse=comfuse)
+    ex = compile_module(mod, target, comfuse=comfuse, database=database)
     vm = tvm.relax.VirtualMachine(ex, tvm.cuda(0))
     tvm_args = [tvm.runtime.from_dlpack(a) for a in args]
     f = vm["main"]
@@ -114,7 +116,20 @@ def _contenders(torch, shape, norm, dtype, args, which, target):
     for name, comfuse in (("tvm_dlight", False), ("comfuse", True)):
         if name in which:
             out[name] = lambda m=mod, c=comfuse: _tvm_callable(torch, m, args, c, target)
+    logs = tuned_logs(shape.name)
+    if "comfuse_tuned" in which and logs and (norm, dtype) == ("layer_norm", "float16"):  # what the logs were tuned for
+        out["comfuse_tuned"] = lambda m=mod: _tvm_callable(torch, m, args, True, target, logs)
     return out
+
+
+def tuned_logs(workload: str) -> str | None:
+    """The shipped tuning logs of a suite shape or model, if any."""
+    from .tune.logs import default_work_dir  # pylint: disable=import-outside-toplevel
+    from .target import parse_target  # pylint: disable=import-outside-toplevel
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.path.join(here, default_work_dir(parse_target(TUNED_TARGET), workload))
+    return path if os.path.isfile(os.path.join(path, "database_tuning_record.json")) else None
 
 
 def run(shapes, norms, dtypes, which=CONTENDERS, log=print) -> list:
@@ -140,22 +155,87 @@ def run(shapes, norms, dtypes, which=CONTENDERS, log=print) -> list:
                 ref = _torch_postnorm(torch, *[a.float() for a in args], norm)
                 for name, entry in _contenders(torch, shape, norm, dtype, args, which, target).items():
                     row = Row(shape.name, M, K, N, norm, dtype, name)
-                    try:
-                        if callable(entry):  # a TVM build: compile now, inside the try
+                    if callable(entry):  # a TVM build: compile now, errors recorded like the others'
+                        try:
                             entry = entry()
-                        fn, fn_out = entry
-                        if fn_out is not None:
-                            err = float((fn_out().float() - ref).abs().max())
-                            row.max_abs_err = round(err, 5)
-                            if not err <= TOLERANCE[dtype]:
-                                raise ValueError(f"wrong result: max abs error {err:.3g}")
-                        row.wall_us = round(wall_us(torch, fn), 2)
-                        ku, nk = kernel_us(torch, fn)
-                        row.kernel_us, row.kernels_per_call = round(ku, 2), round(nk, 2)
-                    except Exception as err_:  # pylint: disable=broad-except
-                        row.error = f"{type(err_).__name__}: {str(err_).splitlines()[0][:200] if str(err_) else ''}"
-                    rows.append(row)
-                    log(json.dumps(asdict(row)))
+                        except Exception as err_:  # pylint: disable=broad-except
+                            entry = (_raise(err_), None)
+                    rows.append(_timed(torch, row, *entry, ref, TOLERANCE[dtype], log))
+    return rows
+
+
+#: Whole encoders (``comfuse bench --models``): name -> (hidden, layers, heads).
+MODELS = {"bert-base": (768, 12, 12), "bert-large": (1024, 24, 16)}
+#: fp16 encoder output against the fp32 PyTorch module (LayerNorm'd, O(1) values).
+MODEL_TOLERANCE = 1e-1
+
+
+def _timed(torch, row, fn, fn_out, ref, tol, log):
+    """Check ``fn_out()`` against ``ref``, then time ``fn``; fill ``row`` (errors included)."""
+    try:
+        if fn_out is not None:
+            err = float((fn_out().float() - ref).abs().max())
+            row.max_abs_err = round(err, 5)
+            if not err <= tol:
+                raise ValueError(f"wrong result: max abs error {err:.3g}")
+        row.wall_us = round(wall_us(torch, fn), 2)
+        ku, nk = kernel_us(torch, fn)
+        row.kernel_us, row.kernels_per_call = round(ku, 2), round(nk, 2)
+    except Exception as err_:  # pylint: disable=broad-except
+        row.error = f"{type(err_).__name__}: {str(err_).splitlines()[0][:200] if str(err_) else ''}"
+    log(json.dumps(asdict(row)))
+    return row
+
+
+def _raise(err):
+    def fn():
+        raise err
+
+    return fn
+
+
+def run_model(name: str, batch: int, seq: int, which=CONTENDERS, log=print) -> list:
+    """A HuggingFace encoder (random weights), fp16, end to end: PyTorch eager and torch.compile
+    on the module, vanilla TVM and ComFuse on its ``from_exported_program`` import (weights
+    bound as constants and cast to fp16 at compile time, as a deployment would)."""
+    import torch  # pylint: disable=import-outside-toplevel
+    import tvm  # pylint: disable=import-outside-toplevel
+    from tvm import relax  # pylint: disable=import-outside-toplevel
+
+    hidden, layers, heads = MODELS[name]
+    mod, params, module, example = workloads.bert_encoder(
+        layers=layers, hidden=hidden, heads=heads, batch=batch, seq=seq, dtype="float16"
+    )
+    names = [p.name for p in mod["main"].params[1:]]
+    mod = relax.transform.BindParams("main", dict(zip(names, (tvm.runtime.tensor(p) for p in params))))(mod)
+    mod = relax.transform.FoldConstant()(mod)
+    target = tvm.target.Target.from_device(tvm.cuda(0))
+    x = torch.randn_like(example).cuda()
+    with torch.no_grad():
+        ref = module.cuda()(x).float()
+        half = module.half()
+        xh = x.half()
+        contenders = {
+            "eager": (lambda: half(xh), lambda: half(xh)),
+        }
+        if "inductor" in which:
+            compiled = torch.compile(half, dynamic=False)
+            contenders["inductor"] = (lambda: compiled(xh), lambda: compiled(xh))
+        rows = []
+        shape = f"{name}-b{batch}-s{seq}"
+        for contender in [c for c in ("eager", "inductor", "tvm_dlight", "comfuse", "comfuse_tuned") if c in which]:
+            row = Row(shape, batch * seq, hidden, hidden, "encoder", "float16", contender)
+            if contender in contenders:
+                rows.append(_timed(torch, row, *contenders[contender], ref, MODEL_TOLERANCE, log))
+                continue
+            logs = tuned_logs(name) if contender == "comfuse_tuned" else None
+            if contender == "comfuse_tuned" and logs is None:
+                continue
+            try:
+                fn, fn_out = _tvm_callable(torch, mod, [x], contender != "tvm_dlight", target, logs)
+            except Exception as err_:  # pylint: disable=broad-except
+                fn, fn_out = _raise(err_), None
+            rows.append(_timed(torch, row, fn, fn_out, ref, MODEL_TOLERANCE, log))
     return rows
 
 

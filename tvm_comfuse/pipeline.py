@@ -10,6 +10,8 @@ compiles it.
 from __future__ import annotations
 
 import importlib
+import json
+import logging
 import os
 
 import tvm
@@ -21,10 +23,18 @@ from .errors import ComFuseError
 from .schedule import GemmRowTile
 from .target import is_gpu, parse_target
 from .transform import AnnotateFusedBlocks, FuseComputeMemory
+from .transform.fuse_compute_memory import KIND_ATTR
+
+LOG = logging.getLogger("tvm_comfuse")
 
 
-def load_database(database) -> ms.Database:
-    """A MetaSchedule database from a Database or a directory of MetaSchedule JSON logs."""
+def load_database(database, target: tvm.target.Target | None = None) -> ms.Database:
+    """A MetaSchedule database from a Database or a directory of MetaSchedule JSON logs.
+
+    A directory's logs must have been measured on ``target``'s kind and architecture: a record
+    is looked up by the PrimFunc alone, so logs from another GPU would silently apply kernels
+    tuned (or not even valid) for it.
+    """
     if isinstance(database, ms.Database):
         return database
     path = os.fspath(database)
@@ -36,7 +46,37 @@ def load_database(database) -> ms.Database:
             "database_tuning_record.json). Pass the --work-dir that `comfuse tune` wrote, "
             "or a tvm.s_tir.meta_schedule.Database."
         )
+    if target is not None:
+        _check_logs_target(path, records, target)
     return ms.database.JSONDatabase(path_workload=workload, path_tuning_record=records, allow_missing=False)
+
+
+def _machine(target: tvm.target.Target) -> tuple:
+    arch = str(target.attrs.get("arch", "") or target.attrs.get("mcpu", "") or "")
+    return target.kind.name, arch[:-1] if arch.startswith("sm_") and arch.endswith("a") else arch
+
+
+def _check_logs_target(path: str, records: str, target: tvm.target.Target) -> None:
+    """Raise ComFuseError if the logs in ``path`` were measured for another kind/architecture."""
+    tuned = None
+    meta = os.path.join(path, "comfuse_meta.json")
+    try:
+        if os.path.isfile(meta):
+            with open(meta, encoding="utf-8") as f:
+                tuned = tvm.target.Target(json.load(f)["target"])
+        else:
+            with open(records, encoding="utf-8") as f:
+                first = f.readline()
+            if first.strip():
+                tuned = tvm.target.Target(json.loads(first)[1][2])
+    except Exception as err:  # pylint: disable=broad-except  (unreadable meta/record: say which file)
+        raise ComFuseError(f"{path}: cannot tell which target these logs were tuned for ({type(err).__name__}: {err})") from None
+    if tuned is not None and _machine(tuned) != _machine(target):
+        raise ComFuseError(
+            f"{path}: these logs were tuned for {'/'.join(filter(None, _machine(tuned)))}, not for "
+            f"{'/'.join(filter(None, _machine(target)))}. Tuned kernels do not transfer between targets: "
+            "tune for this target (`comfuse tune ... --target ...`) or compile without database=."
+        )
 
 
 def fusion_passes(target=None):
@@ -61,26 +101,57 @@ def schedule_passes(target: tvm.target.Target, database=None):
     """
     passes = []
     if database is not None:
-        passes.append(_apply_database(load_database(database)))
+        passes.append(_apply_database(load_database(database, target)))
     if is_gpu(target):
         passes.append(
             dl.ApplyDefaultSchedule(
                 GemmRowTile(),
-                dl.gpu.Matmul(),
-                dl.gpu.GEMV(),
-                dl.gpu.Reduction(),
-                dl.gpu.GeneralReduction(),
-                dl.gpu.Fallback(),
+                *(
+                    _NextRuleOnError(rule)
+                    for rule in (dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback())
+                ),
             )
         )
     return passes
 
 
+class _NextRuleOnError(dl.ScheduleRule):
+    """A DLight rule that, on a ComFuse-fused function, gives way to the next rule instead of
+    raising. DLight's rules were written for vanilla TVM's fused functions; ComFuse's (several
+    outputs of one GEMM chain, casts after a GEMM) make some of them fail an assertion or a
+    schedule check midway, where they should have declined. Vanilla functions are untouched:
+    their errors still surface exactly as in vanilla TVM."""
+
+    def __init__(self, rule: dl.ScheduleRule):
+        self.rule = rule
+
+    def apply(self, func, target, tunable):
+        if KIND_ATTR not in (func.attrs or {}):
+            return self.rule.apply(func, target, tunable)
+        try:
+            return self.rule.apply(func, target, tunable)
+        except Exception as err:  # pylint: disable=broad-except  (AssertionError, ScheduleError, ...)
+            LOG.info("DLight %s declined a ComFuse function: %s", type(self.rule).__name__,
+                     str(err).strip().splitlines()[-1][:200] if str(err).strip() else type(err).__name__)
+            return None
+
+
 def _apply_database(db: ms.Database):
+    """Apply the tuned records, and say how many fused kernels had one (the rest take the
+    defaults of ``schedules/<arch>.json`` in the next pass)."""
+
     @tvm.transform.module_pass(opt_level=0, name="ComFuseApplyDatabase")
     def _apply(mod, _ctx):
         with db:
-            return relax.transform.MetaScheduleApplyDatabase(enable_warning=False)(mod)
+            mod = relax.transform.MetaScheduleApplyDatabase(enable_warning=False)(mod)
+        fused = [f for _, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc) and KIND_ATTR in (f.attrs or {})]
+        tuned = sum(bool((f.attrs or {}).get("tirx.is_scheduled", False)) for f in fused)
+        if fused:
+            (LOG.warning if tuned < len(fused) else LOG.info)(
+                "ComFuse: %d of %d fused kernels use tuned records, %d the untuned defaults",
+                tuned, len(fused), len(fused) - tuned,
+            )
+        return mod
 
     return _apply
 
@@ -112,7 +183,7 @@ def get_pipeline(target, database=None) -> tvm.transform.Pass:
     target = parse_target(target)
     backend = _backend(target)
     if database is not None:
-        load_database(database)  # fail now, with the path in the message, not mid-compile
+        load_database(database, target)  # fail now, with the path in the message, not mid-compile
 
     @tvm.transform.module_pass(opt_level=0, name="ComFusePipeline")
     def _pipeline(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:

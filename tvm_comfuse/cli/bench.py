@@ -13,13 +13,17 @@ EXAMPLES = """examples:
   comfuse bench                                   whole suite, LayerNorm, fp16
   comfuse bench --norms layer_norm rms_norm softmax --dtypes float16 bfloat16
   comfuse bench --shapes bert-base-attnout --contenders cublas_gemm comfuse
+  comfuse bench --shapes --models bert-base bert-large --batch 32 --seq 128   whole encoders only
 """
 
 
 def add_parser(sub) -> None:
     p = subcommand(sub, "bench", "time ComFuse against cuBLAS, eager, torch.compile and vanilla TVM on a GPU", bench.__doc__, EXAMPLES, run)
     names = [s.name for s in workloads.SUITE]
-    p.add_argument("--shapes", nargs="+", default=names, choices=names, metavar="SHAPE", help=f"from {names}")
+    p.add_argument("--shapes", nargs="*", default=names, choices=names, metavar="SHAPE", help=f"from {names}")
+    p.add_argument("--models", nargs="*", default=[], choices=list(bench.MODELS), help="whole encoders, end to end (fp16)")
+    p.add_argument("--batch", type=int, default=32, help="batch of --models (default 32)")
+    p.add_argument("--seq", type=int, default=128, help="sequence length of --models (default 128)")
     p.add_argument("--norms", nargs="+", default=["layer_norm"], choices=["layer_norm", "rms_norm", "softmax"])
     p.add_argument("--dtypes", nargs="+", default=["float16"], choices=["float16", "bfloat16"])
     p.add_argument(
@@ -36,6 +40,8 @@ def run(args) -> int:
         raise ComFuseError("comfuse bench needs a CUDA GPU and none was found; run it on the GPU machine.")
     shapes = [s for s in workloads.SUITE if s.name in args.shapes]
     rows = bench.run(shapes, args.norms, args.dtypes, tuple(args.contenders))
+    for model in args.models:
+        rows += bench.run_model(model, args.batch, args.seq, tuple(args.contenders))
     print(bench.table(rows))
     out = args.out or os.path.join(
         "notebooks", "results", f"bench-{tvm.cuda(0).device_name.replace(' ', '_')}-{datetime.date.today()}.json"

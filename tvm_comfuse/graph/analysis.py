@@ -16,7 +16,7 @@ so that it is one dataflow pattern rooted at one binding.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import tvm
 import tvm.sym
@@ -110,7 +110,7 @@ def _anchor(blk: _Block, i: int, claimed: set) -> _Candidate | None:
     out = _shape(blk.var(i))
     if out is None or len(out) < 2 or _shape(a) is None or _shape(b) is None:
         return None
-    if len(_shape(b)) < 2 or _dtype(blk.var(i)) not in SUPPORTED_DTYPES:
+    if len(_shape(b)) < 2:
         return None
     members = [i]
     producer = blk.index.get(b)
@@ -289,7 +289,12 @@ def find_groups(func: relax.Function, function: str = "main") -> list:
             if not any(ops.role_of(blk.call(m)) in _CHAIN_ROLES for m in cand.members):
                 continue  # a plain GEMM: nothing to fuse
             claimed.update(cand.members)
-            found.append(_describe(blk, cand, function, len(groups) + len(found)))
+            group = _describe(blk, cand, function, len(groups) + len(found))
+            if group.dtype not in SUPPORTED_DTYPES:
+                group = replace(group, fused=False, note=(
+                    f"its GEMM produces {group.dtype}; ComFuse fuses {', '.join(SUPPORTED_DTYPES)} GEMMs only, "
+                    "so this chain is left to vanilla fusion (cast the GEMM's inputs to a supported dtype to fuse it)"))
+            found.append(group)
         groups += found
         b2b += _b2b(blk, found, function)
     return groups + b2b

@@ -78,3 +78,27 @@ def inline_all(sch: s_tir.Schedule, blocks: list, keep=()) -> list:
         except Exception:  # pylint: disable=broad-except  # output blocks cannot be inlined
             rest.append(rv)
     return rest
+
+
+def tile_symbolic_rows(sch: s_tir.Schedule, bm: int) -> None:
+    """Give every on-chip buffer whose row count is symbolic a ``[rows // bm, bm, ...]`` layout.
+
+    Why: with a symbolic M, TVM compacts a block-local buffer to the rows a thread block
+    touches intersected with the buffer's own extent, ``min(M, bm)``: a symbolic size that
+    CUDA codegen cannot allocate. Split by the row tile, the block's slice is exactly
+    ``[1, bm, ...]``, a constant. Only the layout changes (rows past M are never read), so the
+    transform is declared injective instead of padded.
+    """
+
+    def walk(parent, done):
+        for child in sch.get_child_blocks(parent):
+            for i, region in enumerate(sch.get(child).writes):
+                buf = region.source
+                if buf.scope().startswith("shared") and not isinstance(buf.shape[0], tirx.IntImm) and buf.name not in done:
+                    done.add(buf.name)
+                    sch.transform_layout(
+                        child, ("write", i), lambda *ix: (ix[0] // bm, ix[0] % bm, *ix[1:]), assume_injective_transform=True
+                    )
+            walk(child, done)
+
+    walk(sch.get_sblock("root"), set())

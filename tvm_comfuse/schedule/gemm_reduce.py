@@ -26,7 +26,9 @@ from tvm.s_tir.dlight.base import ScheduleRule
 from ..graph.group import GEMM_REDUCE
 from ..target import is_gpu
 from ..transform.fuse_compute_memory import KIND_ATTR
-from .blocks import copied_buffer, inline_all, is_reduction, output_buffers, read_blocks, writes_output
+from .blocks import (
+    copied_buffer, inline_all, is_reduction, output_buffers, read_blocks, tile_symbolic_rows, writes_output,
+)
 from .config import MmaConfig, RowTileConfig, candidates, default
 from .mma_mainloop import gemm_maps, schedule_mma_mainloop
 from .row_epilogue import bind_spatial, schedule_row_epilogue
@@ -76,6 +78,14 @@ def _static_width(sch: s_tir.Schedule, mm) -> int | None:
     return int(extent) if isinstance(extent, tirx.IntImm) else None
 
 
+def _rows_supported(sch: s_tir.Schedule, mm) -> bool:
+    """Static GEMM results, or 2-D ones whose row count alone is symbolic (``[n, N]``, as
+    serving graphs and HoistRowReshape's flattened batch x sequence produce)."""
+    shape = sch.get(mm).writes[0].source.shape
+    static = [isinstance(d, tirx.IntImm) for d in shape]
+    return all(static) or (len(shape) == 2 and static[1])
+
+
 class GemmRowTile(ScheduleRule):
     """Schedule a fused GEMM + row epilogue group as one kernel."""
 
@@ -92,12 +102,13 @@ class GemmRowTile(ScheduleRule):
 
     def configs(self, sch: s_tir.Schedule, target) -> list:
         """Every configuration that fits this group on ``target`` (default first); empty if
-        the rule does not apply (unannotated, re-laid-out tile, symbolic or too-wide rows)."""
+        the rule does not apply (unannotated, re-laid-out tile, symbolic or too-wide rows).
+        A symbolic M is fine: the configurations are those of any static M."""
         g = read_blocks(sch)
         if g is None or not _row_layout_kept(sch, g):
             return []
         n = _static_width(sch, g.mainloop)
-        if n is None or not all(isinstance(d, tirx.IntImm) for d in sch.get(g.mainloop).writes[0].source.shape):
+        if n is None or not _rows_supported(sch, g.mainloop):
             return []
         arch = str(target.attrs.get("arch", ""))
         if _tensor_core_eligible(sch, g, n, arch):
@@ -155,6 +166,7 @@ def _schedule(sch: s_tir.Schedule, cfg) -> s_tir.Schedule:
     if not writes_output(sch, writeback, outputs):
         sch.set_scope(writeback, 0, scope)
     schedule_row_epilogue(sch, bx, rest, outputs, cfg.warps)
+    tile_symbolic_rows(sch, cfg.bm)
     return sch
 
 
@@ -205,10 +217,10 @@ def _inline_epilogue(sch: s_tir.Schedule, c_tile, tile):
 def row_tile_fits(gemm: tuple, dtype: str, target) -> bool:
     """Whether a gemm_reduce group with GEMM shape ``(batch, M, N, K)`` gets this rule's
     one-kernel schedule on ``target``: the pass outlines only such groups on GPUs, so a row too
-    wide for one thread block, or a symbolic M (not supported yet: per-thread buffers need
-    static sizes), keeps vanilla TVM's kernels rather than a slow fallback."""
-    _, m, n, k = gemm
-    if not isinstance(n, int) or not isinstance(m, int):
+    wide for one thread block, or a symbolic N, keeps vanilla TVM's kernels rather than a slow
+    fallback. M may be symbolic (one row tile per thread block, whatever M is at run time)."""
+    batch, m, n, k = gemm
+    if not isinstance(n, int) or batch != 1 and not (isinstance(batch, int) and isinstance(m, int)):
         return False
     arch = str(target.attrs.get("arch", ""))
     if _tensor_core_dtype_ok(dtype, n, k, arch) and default(MmaConfig, arch, n) is not None:

@@ -24,7 +24,8 @@ Vanilla TVM cannot legalise ``nn.layer_norm`` or ``power`` in bfloat16; such cas
 generated with clean, unit-scale inputs and checked against the NumPy float64 reference alone
 (within ``REF_TOL``).
 
-CLI: ``python -m tvm_comfuse.testing.fuzz --cases 1000 --seed 0 --out report.json``.
+CLI: ``python -m tvm_comfuse.testing.fuzz --cases 1000 --seed 0 --out report.json``; on a GPU,
+``--target cuda --jobs 14`` runs both compilers' CUDA kernels (compiled in 14 worker processes).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import collections
 import dataclasses
 import json
 import math
+import os
 import sys
 import time
 
@@ -340,10 +342,43 @@ def _np_reduction(kind, y, vs, i):
 # ----------------------------------------------------------------------------- oracle
 
 
-def _compile_run(mod, args, comfuse):
-    ex = rt.compile_module(mod, "llvm", comfuse=comfuse)
-    dev = tvm.cpu()
-    return rt.run(ex, rt.to_device(args, rt.param_dtypes(mod), dev), dev)
+def _device(target: str):
+    return tvm.cpu() if target == "llvm" else tvm.cuda(0)
+
+
+def _target(target: str):
+    """``"llvm"``, or ``"cuda"``: the GPU this process sees (its architecture, its limits)."""
+    return "llvm" if target == "llvm" else tvm.target.Target.from_device(tvm.cuda(0))
+
+
+def _compile(mod, target, comfuse):
+    return rt.compile_module(mod, target, comfuse=comfuse)
+
+
+def _run(executable, mod, args, target: str):
+    dev = _device(target)
+    return rt.run(executable, rt.to_device(args, rt.param_dtypes(mod), dev), dev)
+
+
+def _rule_scheduled(mod, target) -> list:
+    """The fused functions the gemm_reduce rule schedules itself on ``target`` (the others go to
+    DLight's rules: gemm_elementwise by design, gemm_reduce when the rule declines)."""
+    from ..pipeline import fusion_passes  # pylint: disable=import-outside-toplevel
+    from ..schedule import GemmRowTile  # pylint: disable=import-outside-toplevel
+
+    with target:
+        fused = tvm.transform.Sequential(fusion_passes(target))(mod)
+    rule = GemmRowTile()
+    return [gv.name_hint for gv, f in fused.functions_items()
+            if isinstance(f, tvm.tirx.PrimFunc) and rule.apply(f, target, False) is not None]
+
+
+def _kernels_of(executable, groups) -> list:
+    """The fused groups whose function became a CUDA kernel of its own (GPU targets)."""
+    from .. import codegen  # pylint: disable=import-outside-toplevel
+
+    names = codegen.kernel_names(codegen.cuda_source(executable))
+    return [g.name for g in groups if g.fused and any(k.startswith(g.name + "_kernel") for k in names)]
 
 
 def _mismatch(ours, theirs, ref, dtype, tol_table) -> str:
@@ -368,23 +403,53 @@ def _mismatch(ours, theirs, ref, dtype, tol_table) -> str:
     return f"max rel. error {err:.3g} > {tol_table[dtype]} (vs float64: ours {ours_ref:.3g}, vanilla {theirs_ref:.3g})"
 
 
-def check(case: Case) -> dict:
-    """Compile and run ``case`` both ways; return the per-case record (``ok`` says pass/fail)."""
+def _error(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+
+
+def build_both(case: Case, target: str = "llvm") -> dict:
+    """Compile ``case`` with ComFuse and (where it can) vanilla TVM: ``{"comfuse": executable
+    or error string, "vanilla": ...}``. Split from :func:`check` so GPU runs can compile in
+    worker processes (nvcc dominates) and run in one."""
+    mod, out = build(case), {}
+    for name, comfuse in (("comfuse", True), ("vanilla", False)):
+        if name == "vanilla" and not vanilla_supported(case):
+            continue
+        try:
+            out[name] = _compile(mod, _target(target), comfuse)
+        except Exception as e:  # pylint: disable=broad-except
+            out[name] = _error(e)
+    return out
+
+
+def check(case: Case, target: str = "llvm", built: dict | None = None) -> dict:
+    """Compile (unless ``built`` by :func:`build_both`) and run ``case`` both ways on
+    ``target`` (``"llvm"`` or ``"cuda"``); return the per-case record (``ok`` says pass/fail).
+    On a GPU the record also lists the groups that became a fused kernel (``kernels``)."""
     rec = {"seed": case.seed, "pattern": case.describe(), "dtype": case.dtype, "case": case.to_json(),
            "shapes": {n: list(s) for n, s in params(case)}, "groups": [], "oracle": "vanilla", "ok": False, "error": ""}
     try:
         mod = build(case)
+        groups = analyze(mod, None if target == "llvm" else _target(target))
         rec["groups"] = [f"{g.kind}{'' if g.fused else ' (vanilla)'}: " + ">".join(o.rsplit(".", 1)[-1] for o in g.ops)
-                         for g in analyze(mod)]
+                         for g in groups]
+        built = built if built is not None else build_both(case, target)
+        if isinstance(built["comfuse"], str):
+            raise RuntimeError(built["comfuse"])
+        if target != "llvm":
+            rec["kernels"] = _kernels_of(built["comfuse"], groups)
+            rec["rule"] = _rule_scheduled(mod, _target(target))
         args = inputs(case)
         ref = [r.reshape(-1) for r in reference(case, args)]
-        ours = [o.reshape(-1) for o in _compile_run(mod, args, comfuse=True)]
+        ours = [o.reshape(-1) for o in _run(built["comfuse"], mod, args, target)]
     except Exception as e:  # pylint: disable=broad-except
-        rec["error"] = f"comfuse: {type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+        rec["error"] = f"comfuse: {_error(e)}"
         return rec
     if vanilla_supported(case):
         try:
-            theirs = [o.reshape(-1) for o in _compile_run(mod, args, comfuse=False)]
+            if isinstance(built.get("vanilla"), str):
+                raise RuntimeError(built["vanilla"])
+            theirs = [o.reshape(-1) for o in _run(built["vanilla"], mod, args, target)]
         except Exception as e:  # pylint: disable=broad-except
             rec["error"] = f"vanilla failed ({type(e).__name__}); not a ComFuse verdict"
             rec["ok"] = True
@@ -401,9 +466,9 @@ def check(case: Case) -> dict:
     return rec
 
 
-def fails(case: Case) -> bool:
+def fails(case: Case, target: str = "llvm") -> bool:
     """The default shrink predicate: ``check`` reports a mismatch or a ComFuse failure."""
-    return not check(case)["ok"]
+    return not check(case, target)["ok"]
 
 
 # ----------------------------------------------------------------------------- shrinking
@@ -454,16 +519,50 @@ def shrink(case: Case, predicate=fails, budget: int = 300) -> dict:
 # ----------------------------------------------------------------------------- driver
 
 
-def fuzz(cases: int, seed: int = 0, log=None) -> dict:
-    """Run ``cases`` cases with seeds ``seed, seed+1, ...``; return the report dict."""
+def _built_in_worker(job):
+    """Pool worker: compile one case both ways and export each executable to a shared library."""
+    seed, target, folder = job
+    out = {}
+    for name, ex in build_both(generate(seed), target).items():
+        if isinstance(ex, str):
+            out[name] = ("error", ex)
+        else:
+            out[name] = ("library", os.path.join(folder, f"{seed}-{name}.so"))
+            ex.export_library(out[name][1])
+    return seed, out
+
+
+def _load(built: dict) -> dict:
+    return {k: tvm.runtime.load_module(v) if what == "library" else v for k, (what, v) in built.items()}
+
+
+def _builds(seeds, target: str, jobs: int):
+    """``(seed, built-or-None)`` in order: compiled here when ``jobs`` is 1, else in a pool."""
+    if jobs <= 1:
+        for s in seeds:
+            yield s, None
+        return
+    import multiprocessing  # pylint: disable=import-outside-toplevel
+    import tempfile  # pylint: disable=import-outside-toplevel
+
+    with tempfile.TemporaryDirectory(prefix="comfuse-fuzz-") as folder:
+        with multiprocessing.get_context("spawn").Pool(jobs) as pool:
+            for s, built in pool.imap(_built_in_worker, [(s, target, folder) for s in seeds]):
+                yield s, _load(built)
+
+
+def fuzz(cases: int, seed: int = 0, log=None, target: str = "llvm", jobs: int = 1) -> dict:
+    """Run ``cases`` cases with seeds ``seed, seed+1, ...`` on ``target``; return the report.
+    ``jobs > 1`` compiles in that many worker processes (for GPU runs, where nvcc dominates)."""
     records, t0 = [], time.time()
-    for s in range(seed, seed + cases):
-        rec = check(generate(s))
+    for s, built in _builds(range(seed, seed + cases), target, jobs):
+        rec = check(generate(s), target, built)
         records.append(rec)
         if log and not rec["ok"]:
             log(f"FAIL seed={s} {rec['dtype']} {rec['pattern']}: {rec['error']}")
     kinds = collections.Counter(g.split(":")[0] for r in records for g in r["groups"])
-    return {
+    report = {
+        "target": target,
         "cases": len(records),
         "failures": sum(not r["ok"] for r in records),
         "groups": dict(sorted(kinds.items())),
@@ -471,6 +570,10 @@ def fuzz(cases: int, seed: int = 0, log=None) -> dict:
         "seconds": round(time.time() - t0, 1),
         "records": records,
     }
+    if target != "llvm":
+        report["cases_with_fused_kernels"] = sum(bool(r.get("kernels")) for r in records)
+        report["cases_scheduled_by_the_rule"] = sum(bool(r.get("rule")) for r in records)
+    return report
 
 
 def main(argv=None) -> int:
@@ -479,17 +582,25 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="write the JSON report here")
     parser.add_argument("--shrink", action="store_true", help="shrink each failure (slow)")
+    parser.add_argument("--target", choices=("llvm", "cuda"), default="llvm",
+                        help="llvm (CPU), or cuda: the GPU of this machine (fused CUDA kernels against vanilla TVM's)")
+    parser.add_argument("--jobs", type=int, default=1, help="compile in this many worker processes")
     args = parser.parse_args(argv)
-    report = fuzz(args.cases, args.seed, log=lambda line: print(line, flush=True))
+    if args.target == "cuda" and not tvm.cuda(0).exist:
+        parser.error("--target cuda needs a CUDA GPU, and tvm.cuda(0) finds none")
+    report = fuzz(args.cases, args.seed, log=lambda line: print(line, flush=True), target=args.target, jobs=args.jobs)
     if args.shrink:
         for rec in report["records"]:
             if not rec["ok"]:
-                small = shrink(Case.from_json(rec["case"]))
+                small = shrink(Case.from_json(rec["case"]), lambda c: fails(c, args.target))
                 rec["shrunk"] = {"case": small["case"].to_json(), "script": small["script"]}
                 print(f"shrunk seed={rec['seed']}: {small['case'].describe()}\n{small['script']}")
     print(f"cases: {report['cases']}  failures: {report['failures']}  seconds: {report['seconds']}")
     print("groups formed: " + ", ".join(f"{k}={v}" for k, v in report["groups"].items()))
     print("oracle: " + ", ".join(f"{k}={v}" for k, v in report["oracle"].items()))
+    if "cases_with_fused_kernels" in report:
+        print(f"cases whose ComFuse group ran as its own fused kernel: {report['cases_with_fused_kernels']} "
+              f"(scheduled by the gemm_reduce rule: {report['cases_scheduled_by_the_rule']}, the rest by DLight)")
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=1)

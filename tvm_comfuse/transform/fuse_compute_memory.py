@@ -129,7 +129,7 @@ def _limit_to_target(groups: list, target) -> list:
             g = replace(
                 g, fused=False,
                 note=f"no one-kernel schedule for M={g.gemm[1]}, N={g.gemm[2]} on {target.attrs.get('arch', target.kind.name)} "
-                "(rows wider than a thread block holds, or a symbolic M); left to vanilla fusion",
+                "(rows wider than a thread block holds, or symbolic N or batch); left to vanilla fusion",
             )
         out.append(g)
     return out

@@ -41,10 +41,14 @@ def _bert(name: str) -> Workload:
     hidden, layers, heads = BERT_CONFIGS[name]
 
     def build(n_layers):
-        mod, *_ = workloads.bert_encoder(layers=n_layers or layers, hidden=hidden, heads=heads, batch=1, seq=128)
+        mod, *_ = workloads.bert_encoder(
+            layers=n_layers or layers, hidden=hidden, heads=heads, batch=32, seq=128, dtype="float16"
+        )
         return mod
 
-    return Workload(name, f"HuggingFace BERT encoder, hidden {hidden}, {layers} layers (--layers shrinks it)", build)
+    return Workload(
+        name, f"HuggingFace BERT encoder, fp16, batch 32 x sequence 128, hidden {hidden}, {layers} layers (--layers shrinks it)", build
+    )
 
 
 def _tiny(name, desc, M, K, N, norm, **kw) -> Workload:
