@@ -240,17 +240,18 @@ def run_model(name: str, batch: int, seq: int, which=CONTENDERS, log=print) -> l
 
 
 def environment() -> dict:
-    """GPU, versions, commit and date for the results file."""
+    """GPU, versions, commit and date for the results file. ``COMFUSE_COMMIT`` wins over git:
+    a copied working tree (the GPU machine's) can carry stale git metadata."""
     import torch  # pylint: disable=import-outside-toplevel
     import tvm  # pylint: disable=import-outside-toplevel
 
     try:
-        commit = subprocess.run(
+        commit = os.environ.get("COMFUSE_COMMIT") or subprocess.run(
             ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False,
             cwd=os.path.dirname(os.path.abspath(__file__)),
-        ).stdout.strip() or os.environ.get("COMFUSE_COMMIT", "unknown")
+        ).stdout.strip() or "unknown"
     except OSError:
-        commit = os.environ.get("COMFUSE_COMMIT", "unknown")
+        commit = "unknown"
     return {
         "gpu": torch.cuda.get_device_name(0),
         "torch": torch.__version__,

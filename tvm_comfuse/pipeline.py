@@ -48,7 +48,16 @@ def load_database(database, target: tvm.target.Target | None = None) -> ms.Datab
         )
     if target is not None:
         _check_logs_target(path, records, target)
+    if target is None or is_gpu(target):
+        register_tensor_intrinsics()
     return ms.database.JSONDatabase(path_workload=workload, path_tuning_record=records, allow_missing=False)
+
+
+def register_tensor_intrinsics() -> None:
+    """Register TVM's CUDA tensor intrinsics (~20 s, once per process). A JSONDatabase parses
+    every trace when it opens, and the tensor-core kernels' traces name these intrinsics: without
+    them, loading GPU logs fails with "TensorIntrin 'mma_fill_16x16_f32' is not registered"."""
+    import tvm.s_tir.tensor_intrin.cuda  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
 
 
 def _machine(target: tvm.target.Target) -> tuple:

@@ -551,15 +551,18 @@ def _builds(seeds, target: str, jobs: int):
                 yield s, _load(built)
 
 
-def fuzz(cases: int, seed: int = 0, log=None, target: str = "llvm", jobs: int = 1) -> dict:
+def fuzz(cases: int, seed: int = 0, log=None, target: str = "llvm", jobs: int = 1, progress: int = 0) -> dict:
     """Run ``cases`` cases with seeds ``seed, seed+1, ...`` on ``target``; return the report.
-    ``jobs > 1`` compiles in that many worker processes (for GPU runs, where nvcc dominates)."""
+    ``jobs > 1`` compiles in that many worker processes; ``progress`` logs a count line every
+    that many cases (so a run cut short by a time limit still says how far it got)."""
     records, t0 = [], time.time()
     for s, built in _builds(range(seed, seed + cases), target, jobs):
         rec = check(generate(s), target, built)
         records.append(rec)
         if log and not rec["ok"]:
             log(f"FAIL seed={s} {rec['dtype']} {rec['pattern']}: {rec['error']}")
+        if log and progress and len(records) % progress == 0:
+            log(f"{len(records)} cases, {sum(not r['ok'] for r in records)} failures, {time.time() - t0:.0f} s")
     kinds = collections.Counter(g.split(":")[0] for r in records for g in r["groups"])
     report = {
         "target": target,
@@ -588,7 +591,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.target == "cuda" and not tvm.cuda(0).exist:
         parser.error("--target cuda needs a CUDA GPU, and tvm.cuda(0) finds none")
-    report = fuzz(args.cases, args.seed, log=lambda line: print(line, flush=True), target=args.target, jobs=args.jobs)
+    report = fuzz(args.cases, args.seed, log=lambda line: print(line, flush=True), target=args.target, jobs=args.jobs,
+                  progress=10)
     if args.shrink:
         for rec in report["records"]:
             if not rec["ok"]:

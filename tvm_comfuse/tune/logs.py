@@ -145,6 +145,11 @@ class WorkDir:
 
     def open(self) -> ms.database.JSONDatabase:
         """Create the directory and meta file if needed; the JSONDatabase (appends as it measures)."""
+        from ..pipeline import register_tensor_intrinsics  # pylint: disable=import-outside-toplevel
+        from ..target import is_gpu  # pylint: disable=import-outside-toplevel
+
+        if is_gpu(self.target):
+            register_tensor_intrinsics()  # GPU records name them; the database parses every record
         os.makedirs(self.path, exist_ok=True)
         if not os.path.isfile(self.meta_path):
             with open(self.meta_path, "w", encoding="utf-8") as f:
