@@ -24,7 +24,7 @@ setup(
     ],
     extras_require={
         "models": ["torch>=2.4", "transformers>=4.45"],
-        "test": ["pytest>=7", "torch>=2.4", "transformers>=4.45", "nbformat", "nbclient", "ipykernel"],
+        "test": ["pytest>=7", "torch>=2.4", "transformers>=4.45", "nbformat", "nbclient", "ipykernel", "matplotlib"],
     },
     entry_points={"console_scripts": ["comfuse=tvm_comfuse.cli.main:main"]},
 )

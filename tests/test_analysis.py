@@ -143,7 +143,8 @@ def test_int_gemm_falls_back():
             y = bb.emit(relax.op.matmul(x, w))
             out = bb.emit_output(bb.emit(relax.op.add(y, y)))
         bb.emit_func_output(out)
-    assert cf.analyze(bb.get()) == []
+    (group,) = cf.analyze(bb.get())
+    assert not group.fused and "int32" in group.note  # reported, left to vanilla fusion
 
 
 def test_several_groups_share_one_input():
@@ -243,3 +244,18 @@ def test_rows_too_wide_for_the_gpu_rule_stay_vanilla():
     assert GROUPS_ATTR not in (mod.attrs or {})
     (narrow,) = cf.analyze(wl.post_norm(64, 64, 768, "float16", linear=True), target="nvidia/nvidia-h100")
     assert narrow.fused
+
+
+def test_weight_cast_after_transpose_joins_the_group():
+    """TVM's mixed precision casts a linear weight after its transpose; CastBeforeTranspose
+    swaps them so the group keeps the transpose (the [N, K] layout the tensor cores read)."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((16, 32), "float16"))
+    w = relax.Var("w", relax.TensorType((24, 32), "float32"))
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            wt = bb.emit(relax.op.astype(bb.emit(relax.op.permute_dims(w)), "float16"))
+            out = bb.emit_output(bb.emit(relax.op.nn.softmax(bb.emit(relax.op.matmul(x, wt)), axis=-1)))
+        bb.emit_func_output(out)
+    (group,) = cf.analyze(bb.get())
+    assert group.fused and group.ops[0] == "relax.permute_dims"

@@ -90,3 +90,21 @@ def test_every_configuration_of_the_space_builds():
     results = build_space(333, 96, 136, "sm_90", limit=6)
     assert len(results) == 6
     assert [err for _, err in results if err] == []
+
+
+@pytest.mark.parametrize("dtype, norm, B, S, residual_out", [
+    ("float16", "layer_norm", 4, 128, False), ("float16", "layer_norm", 3, 100, True), ("bfloat16", "rms_norm", 2, 33, True),
+])
+def test_batched_rows_take_the_2d_kernel(dtype, norm, B, S, residual_out):
+    """``x[B, S, K] @ w.T`` (a linear layer on 3-D activations): the rule iterates B * S rows, so
+    fp16 takes the tensor-core mainloop in one kernel, as the 2-D form does. With S a multiple of
+    the row tile the CUDA source is the 2-D form's, character for character."""
+    mod = wl.post_norm(S, 256, 768, dtype, norm, linear=True, batch=B, residual_out=residual_out)
+    (group,) = [g for g in cf.analyze(mod, {"kind": "cuda", "arch": "sm_90"}) if g.fused]
+    source = codegen.cuda_source(runtime.compile_module(mod, {"kind": "cuda", "arch": "sm_90"}))
+    assert [k for k in codegen.kernel_names(source) if k.startswith(group.name)] == [group.name + "_kernel"]
+    assert ("mma.sync" in source) == (dtype == "float16")
+    if S % 32 == 0 and not residual_out:
+        flat = wl.post_norm(B * S, 256, 768, dtype, norm, linear=True)
+        assert source == codegen.cuda_source(runtime.compile_module(flat, {"kind": "cuda", "arch": "sm_90"}))
+    codegen.compile_with_nvcc(source, "sm_90")

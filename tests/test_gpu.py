@@ -70,6 +70,21 @@ def test_symbolic_m_one_build_runs_every_m(dtype):
         assert (out.cpu().double() - torch.from_numpy(ref)).abs().max().item() <= TOL[dtype], (M, dtype)
 
 
+@pytest.mark.parametrize("B, S, dtype", [(4, 128, "float16"), (3, 100, "float16"), (2, 33, "bfloat16")])
+def test_batched_rows_match_pytorch(B, S, dtype):
+    """``x[B, S, K]`` activations (flattened to B * S rows by the rule), the residual sum also returned."""
+    K, N = 256, 768
+    mod = wl.post_norm(S, K, N, dtype, "layer_norm", linear=True, batch=B, residual_out=True)
+    tdt = getattr(torch, dtype)
+    g = torch.Generator(device="cuda").manual_seed(B * S)
+    rnd = lambda *s: torch.randn(*s, device="cuda", dtype=tdt, generator=g)  # noqa: E731
+    args = [rnd(B, S, K), rnd(N, K) / K**0.5, rnd(N), rnd(B, S, N), rnd(N), rnd(N)]
+    outs, _ = _run_on_gpu(mod, args)
+    ref = wl.post_norm_reference([a.float().cpu().numpy() for a in args], "layer_norm", linear=True, residual_out=True)
+    for out, r in zip(outs, ref):
+        assert (out.cpu().double() - torch.from_numpy(r)).abs().max().item() <= TOL[dtype], (B, S, dtype)
+
+
 def test_bert_encoder_fp16_on_gpu():
     pytest.importorskip("transformers")
     mod, params, module, example = wl.bert_encoder(layers=2, hidden=256, heads=4, batch=4, seq=64, dtype="float16")

@@ -102,3 +102,70 @@ def tile_symbolic_rows(sch: s_tir.Schedule, bm: int) -> None:
             walk(child, done)
 
     walk(sch.get_sblock("root"), set())
+
+
+def uses_var(expr, var) -> bool:
+    """True if the index expression ``expr`` reads ``var``."""
+    return any(v.same_as(var) for v in tirx.analysis.undefined_vars(expr))
+
+
+def flatten_batch_rows(sch: s_tir.Schedule, g: GroupBlocks) -> tuple | None:
+    """Iterate ``[B, S, ...]`` blocks as ``[B * S, ...]`` rows when the GEMM's weight is shared by
+    the batch (``x[B, S, K] @ w[K, N]``, how models apply a linear layer to 3-D activations).
+
+    Why: the tensor-core mainloop tiles a 2-D ``rows x N`` GEMM; with the batch as a separate
+    iterator it would not apply. The blocks iterate ``b, s -> r`` (``b = r // S``, ``s = r %
+    S``); buffers are untouched (see :func:`flatten_row_buffers`). Returns ``(B, S)`` if the
+    group was flattened, else None.
+    """
+    mm = sch.get(g.mainloop)
+    ivs = mm.iter_vars
+    if len(ivs) != 4 or any(iv.iter_type != tirx.IterVar.DataPar for iv in ivs[:3]):
+        return None
+    out = {w.source for w in mm.writes}
+    operands = [r for r in mm.reads if r.source not in out]
+    if len(operands) != 2 or any(uses_var(r.min, ivs[0].var) for r in operands[1].region):
+        return None  # a batched weight (attention's q @ k.T): a real batch, not rows
+    lead = _static([ivs[0].dom.extent, ivs[1].dom.extent])
+    if None in lead:
+        return None
+    _flatten_iterations(sch, [g.mainloop, *g.prologue, *g.after], tuple(lead))
+    return tuple(lead)
+
+
+def _flatten_iterations(sch: s_tir.Schedule, blocks: list, rows: tuple) -> None:
+    for rv in blocks:
+        ivs = sch.get(rv).iter_vars
+        if len(ivs) >= 2 and all(iv.iter_type == tirx.IterVar.DataPar for iv in ivs[:2]) and _static(
+            [iv.dom.extent for iv in ivs[:2]]
+        ) == list(rows):
+            sch.transform_block_layout(rv, _fuse_rows(rows[1], len(ivs)))
+
+
+def flatten_row_buffers(sch: s_tir.Schedule, rows: tuple, blocks: list = ()) -> None:
+    """Give every on-chip or intermediate ``[B, S, ...]`` buffer the ``[B * S, ...]`` layout, so the
+    flattened blocks index it by their row ``r`` (cross-thread reductions need their outputs
+    indexed by plain block variables), after flattening the iteration of ``blocks`` made since
+    :func:`flatten_batch_rows` (a cache's copy block iterates its buffer's shape). The
+    parameters, and so the function's signature, keep their shapes."""
+    _flatten_iterations(sch, blocks, rows)
+    params = output_buffers(sch.mod["main"])
+
+    def walk(parent, done):
+        for child in sch.get_child_blocks(parent):
+            for i, region in enumerate(sch.get(child).writes):
+                buf = region.source
+                if buf not in params and buf.name not in done and _static(buf.shape[:2]) == list(rows):
+                    done.add(buf.name)
+                    sch.transform_layout(child, ("write", i), _fuse_rows(rows[1], len(buf.shape)))
+            walk(child, done)
+
+    walk(sch.get_sblock("root"), set())
+
+
+def _static(dims) -> list:
+    return [int(d) if isinstance(d, tirx.IntImm) else None for d in dims]
+
+
+def _fuse_rows(seq: int, ndim: int) -> tirx.IndexMap:
+    return tirx.IndexMap.from_func(lambda b, s, *rest: (b * seq + s, *rest), ndim=ndim)

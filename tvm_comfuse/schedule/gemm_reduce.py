@@ -27,7 +27,8 @@ from ..graph.group import GEMM_REDUCE
 from ..target import is_gpu
 from ..transform.fuse_compute_memory import KIND_ATTR
 from .blocks import (
-    copied_buffer, inline_all, is_reduction, output_buffers, read_blocks, tile_symbolic_rows, writes_output,
+    copied_buffer, flatten_batch_rows, flatten_row_buffers, inline_all, is_reduction, output_buffers, read_blocks,
+    tile_symbolic_rows, writes_output,
 )
 from .config import MmaConfig, RowTileConfig, candidates, default
 from .mma_mainloop import gemm_maps, schedule_mma_mainloop
@@ -104,9 +105,11 @@ class GemmRowTile(ScheduleRule):
         """Every configuration that fits this group on ``target`` (default first); empty if
         the rule does not apply (unannotated, re-laid-out tile, symbolic or too-wide rows).
         A symbolic M is fine: the configurations are those of any static M."""
+        sch = sch.copy()
         g = read_blocks(sch)
         if g is None or not _row_layout_kept(sch, g):
             return []
+        flatten_batch_rows(sch, g)
         n = _static_width(sch, g.mainloop)
         if n is None or not _rows_supported(sch, g.mainloop):
             return []
@@ -141,18 +144,23 @@ class GemmRowTile(ScheduleRule):
 def _schedule(sch: s_tir.Schedule, cfg) -> s_tir.Schedule:
     """Schedule a fused group with one configuration (MmaConfig or RowTileConfig)."""
     g = read_blocks(sch)
+    rows = flatten_batch_rows(sch, g)
     n = _static_width(sch, g.mainloop)
     outputs = output_buffers(sch.mod["main"])
     for rv in g.prologue:
         sch.compute_inline(rv)
     tile = _row_tile(sch, g)
+    copies = []  # blocks made here that iterate a parameter's shape
     rest = inline_all(sch, g.after, keep=[tile] if tile is not None else [])
     if tile is not None:
         rest = [rv for rv in rest if not sch.get(rv).same_as(sch.get(tile))]
         if writes_output(sch, tile, outputs):
             # a residual the caller also reads: keep the tile in shared memory for the
             # reductions and write the output with a copy block, never read it back
-            rest.insert(0, sch.cache_write(tile, 0, "shared", consumer_blocks=rest))
+            copies.append(sch.cache_write(tile, 0, "shared", consumer_blocks=rest))
+            rest.insert(0, copies[-1])
+    if rows is not None:
+        flatten_row_buffers(sch, rows, copies)
     if isinstance(cfg, MmaConfig):
         bx, c_tile = schedule_mma_mainloop(sch, g.mainloop, n, cfg)
         writeback = _inline_epilogue(sch, c_tile, tile)
@@ -163,6 +171,8 @@ def _schedule(sch: s_tir.Schedule, cfg) -> s_tir.Schedule:
         if tile is not None:
             sch.reverse_compute_inline(tile)
         scope = "shared"
+    if rows is not None:
+        flatten_row_buffers(sch, rows)  # and the mainloop's caches
     if not writes_output(sch, writeback, outputs):
         sch.set_scope(writeback, 0, scope)
     schedule_row_epilogue(sch, bx, rest, outputs, cfg.warps)

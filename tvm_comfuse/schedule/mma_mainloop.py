@@ -17,11 +17,8 @@ from __future__ import annotations
 from tvm import s_tir, tirx
 from tvm.s_tir.dlight.gpu.matmul import auto_inline_producers
 
+from .blocks import uses_var
 from .config import MmaConfig
-
-
-def _uses(expr, var) -> bool:
-    return any(v.same_as(var) for v in tirx.analysis.undefined_vars(expr))
 
 
 def gemm_maps(stmt):
@@ -36,8 +33,8 @@ def gemm_maps(stmt):
     a, b = [r for r in stmt.reads if r.source not in out][:2]
     a_idx, b_idx = [r.min for r in a.region], [r.min for r in b.region]
     c_idx = [r.min for r in stmt.writes[0].region]
-    i_var = next(v for v in ivs if _uses(a_idx[0], v))
-    j_var = next(v for v in ivs if _uses(c_idx[1], v))
+    i_var = next(v for v in ivs if uses_var(a_idx[0], v))
+    j_var = next(v for v in ivs if uses_var(c_idx[-1], v))
     role = {"i": i_var, "j": j_var, "k": k_var}
 
     def fmap(used, outs):
@@ -49,7 +46,7 @@ def gemm_maps(stmt):
 
         return {2: lambda x, y: f(x, y), 3: lambda x, y, z: f(x, y, z)}[len(used)]
 
-    return _uses(b_idx[1], k_var), (fmap("ijk", "ijk"), fmap("ik", "ik"), fmap("jk", "jk"), fmap("ij", "ij"))
+    return uses_var(b_idx[1], k_var), (fmap("ijk", "ijk"), fmap("ik", "ik"), fmap("jk", "jk"), fmap("ij", "ij"))
 
 
 def schedule_mma_mainloop(sch: s_tir.Schedule, mm, n: int, cfg: MmaConfig):

@@ -35,6 +35,7 @@ from ..graph import ops
 from ..graph.analysis import find_groups
 from ..graph.group import B2B_GEMM, GEMM_ELEMENTWISE, GEMM_REDUCE, KINDS
 from ..target import is_gpu, parse_target
+from .cast_before_transpose import CastBeforeTranspose
 from .hoist_row_reshape import HoistRowReshape
 
 GROUPS_ATTR = "comfuse.groups"
@@ -147,6 +148,12 @@ def _resolve(groups: list, names: dict) -> list:
     return out
 
 
+def _canonicalize(mod: tvm.IRModule) -> tvm.IRModule:
+    """Exact rewrites that keep layout ops where groups can use them: weight casts before their
+    transpose (CastBeforeTranspose), row reshapes out of GEMM chains (HoistRowReshape)."""
+    return HoistRowReshape()(CastBeforeTranspose()(mod))
+
+
 def analyze(mod: tvm.IRModule, target=None) -> list:
     """The fusion groups :func:`FuseComputeMemory` would form, without changing ``mod``.
 
@@ -159,7 +166,7 @@ def analyze(mod: tvm.IRModule, target=None) -> list:
     Print them with :func:`tvm_comfuse.format_groups`.
     """
     check_module(mod, "analyze")
-    mod = HoistRowReshape()(mod)
+    mod = _canonicalize(mod)
     groups = _limit_to_target(_plan(mod), parse_target(target) if target is not None else None)
     _, names = _outline(mod, groups, (GEMM_REDUCE, GEMM_ELEMENTWISE))
     return _resolve(groups, names)
@@ -190,7 +197,7 @@ class FuseComputeMemory:  # pylint: disable=too-few-public-methods
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         """Find the groups of every Relax function and outline them (no-op without any)."""
-        mod = HoistRowReshape()(mod)
+        mod = _canonicalize(mod)
         groups = _limit_to_target(_plan(mod), self.target)
         mod, names = _outline(mod, groups, self.kinds)
         if not names:
