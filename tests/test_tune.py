@@ -220,3 +220,14 @@ def test_gpu_gemm_reduce_tasks_search_the_rule_space():
     assert label == "comfuse-gemm_reduce"
     ctx = ms.TuneContext(mod=task, target=target, space_generator=space, task_name="t", num_threads=1)
     assert len(ctx.generate_design_space()) == len(candidates(MmaConfig, "sm_90", 768)) > 1
+
+
+def test_shipped_h200_logs_apply_to_their_workloads():
+    """The H200 logs in tuning_logs/ are found by the compile path: a change to the pass or the
+    rule that alters the fused PrimFuncs would silently orphan them."""
+    from tvm_comfuse.bench import tuned_logs  # pylint: disable=import-outside-toplevel
+
+    for name in ("bert-base-attnout", "bert-base-ffn2", "bert-large-ffn2", "wide-short-k"):
+        logs = tuned_logs(name)
+        assert logs is not None, name
+        assert applied_from_database(load_workload(name)[1], "nvidia/nvidia-h100", logs) == (1, 1), name
