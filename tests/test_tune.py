@@ -72,6 +72,16 @@ def test_compile_from_logs_matches_vanilla(tuned):
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
 
 
+def test_compile_says_how_many_kernels_are_tuned(tuned, caplog):
+    """Compiling with logs tells the user how many fused kernels had a record."""
+    import logging  # pylint: disable=import-outside-toplevel
+
+    _, mod = load_workload("tiny-postnorm")
+    with caplog.at_level(logging.INFO, logger="tvm_comfuse"):
+        runtime.compile_module(mod, "llvm", database=str(tuned[0]))
+    assert "1 of 1 fused kernels use tuned records, 0 the untuned defaults" in caplog.text
+
+
 def test_logs_of_another_target_are_refused_at_compile(tuned):
     import tvm_comfuse as cf  # pylint: disable=import-outside-toplevel
 

@@ -145,6 +145,11 @@ class _NextRuleOnError(dl.ScheduleRule):
             return None
 
 
+def count_scheduled(funcs) -> int:
+    """How many of the PrimFuncs ``funcs`` a database already scheduled."""
+    return sum(bool((f.attrs or {}).get("tirx.is_scheduled", False)) for f in funcs)
+
+
 def _apply_database(db: ms.Database):
     """Apply the tuned records, and say how many fused kernels had one (the rest take the
     defaults of ``schedules/<arch>.json`` in the next pass)."""
@@ -154,7 +159,7 @@ def _apply_database(db: ms.Database):
         with db:
             mod = relax.transform.MetaScheduleApplyDatabase(enable_warning=False)(mod)
         fused = [f for _, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc) and KIND_ATTR in (f.attrs or {})]
-        tuned = sum(bool((f.attrs or {}).get("tirx.is_scheduled", False)) for f in fused)
+        tuned = count_scheduled(fused)
         if fused:
             (LOG.warning if tuned < len(fused) else LOG.info)(
                 "ComFuse: %d of %d fused kernels use tuned records, %d the untuned defaults",

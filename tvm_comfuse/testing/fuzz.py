@@ -25,7 +25,7 @@ generated with clean, unit-scale inputs and checked against the NumPy float64 re
 (within ``REF_TOL``).
 
 CLI: ``python -m tvm_comfuse.testing.fuzz --cases 1000 --seed 0 --out report.json``; on a GPU,
-``--target cuda --jobs 14`` runs both compilers' CUDA kernels (compiled in 14 worker processes).
+``--target cuda --jobs 12`` runs both compilers' CUDA kernels (compiled in 12 worker processes).
 """
 
 from __future__ import annotations
@@ -410,7 +410,7 @@ def _error(e: Exception) -> str:
 def build_both(case: Case, target: str = "llvm") -> dict:
     """Compile ``case`` with ComFuse and (where it can) vanilla TVM: ``{"comfuse": executable
     or error string, "vanilla": ...}``. Split from :func:`check` so GPU runs can compile in
-    worker processes (nvcc dominates) and run in one."""
+    worker processes (compiling dominates) and run in one."""
     mod, out = build(case), {}
     for name, comfuse in (("comfuse", True), ("vanilla", False)):
         if name == "vanilla" and not vanilla_supported(case):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import tvm
 
 
-from ..pipeline import schedule_passes
+from ..pipeline import count_scheduled, schedule_passes
 from .logs import FAILED_SECS, WorkDir
 from .tasks import fused_module
 
@@ -71,8 +71,7 @@ def applied_from_database(mod: tvm.IRModule, target, database) -> tuple[int, int
     with target:
         scheduled = tvm.transform.Sequential(schedule_passes(target, database)[:1])(fused_module(mod, target))
     funcs = [f for _, f in scheduled.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
-    tuned = sum(bool(f.attrs is not None and f.attrs.get("tirx.is_scheduled", False)) for f in funcs)
-    return tuned, len(funcs)
+    return count_scheduled(funcs), len(funcs)
 
 
 
