@@ -551,18 +551,27 @@ def _builds(seeds, target: str, jobs: int):
                 yield s, _load(built)
 
 
-def fuzz(cases: int, seed: int = 0, log=None, target: str = "llvm", jobs: int = 1, progress: int = 0) -> dict:
+def fuzz(cases: int, seed: int = 0, log=None, target: str = "llvm", jobs: int = 1, progress: int = 0,
+         checkpoint: str | None = None) -> dict:
     """Run ``cases`` cases with seeds ``seed, seed+1, ...`` on ``target``; return the report.
-    ``jobs > 1`` compiles in that many worker processes; ``progress`` logs a count line every
-    that many cases (so a run cut short by a time limit still says how far it got)."""
+    ``jobs > 1`` compiles in that many worker processes. Every ``progress`` cases a count line
+    is logged and the report so far is written to ``checkpoint``: a run cut short by a time
+    limit still says how far it got and what it found."""
     records, t0 = [], time.time()
     for s, built in _builds(range(seed, seed + cases), target, jobs):
         rec = check(generate(s), target, built)
         records.append(rec)
         if log and not rec["ok"]:
             log(f"FAIL seed={s} {rec['dtype']} {rec['pattern']}: {rec['error']}")
-        if log and progress and len(records) % progress == 0:
-            log(f"{len(records)} cases, {sum(not r['ok'] for r in records)} failures, {time.time() - t0:.0f} s")
+        if progress and len(records) % progress == 0:
+            if log:
+                log(f"{len(records)} cases, {sum(not r['ok'] for r in records)} failures, {time.time() - t0:.0f} s")
+            if checkpoint:
+                _write(_report(records, target, t0), checkpoint)
+    return _report(records, target, t0)
+
+
+def _report(records: list, target: str, t0: float) -> dict:
     kinds = collections.Counter(g.split(":")[0] for r in records for g in r["groups"])
     report = {
         "target": target,
@@ -579,6 +588,11 @@ def fuzz(cases: int, seed: int = 0, log=None, target: str = "llvm", jobs: int = 
     return report
 
 
+def _write(report: dict, path: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=1)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tvm_comfuse.testing.fuzz", description=__doc__.split("\n")[0])
     parser.add_argument("--cases", type=int, default=200)
@@ -592,7 +606,7 @@ def main(argv=None) -> int:
     if args.target == "cuda" and not tvm.cuda(0).exist:
         parser.error("--target cuda needs a CUDA GPU, and tvm.cuda(0) finds none")
     report = fuzz(args.cases, args.seed, log=lambda line: print(line, flush=True), target=args.target, jobs=args.jobs,
-                  progress=10)
+                  progress=10, checkpoint=args.out)
     if args.shrink:
         for rec in report["records"]:
             if not rec["ok"]:
@@ -606,8 +620,7 @@ def main(argv=None) -> int:
         print(f"cases whose ComFuse group ran as its own fused kernel: {report['cases_with_fused_kernels']} "
               f"(scheduled by the gemm_reduce rule: {report['cases_scheduled_by_the_rule']}, the rest by DLight)")
     if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=1)
+        _write(report, args.out)
     return 1 if report["failures"] else 0
 
 
