@@ -85,6 +85,39 @@ def test_batched_rows_match_pytorch(B, S, dtype):
         assert (out.cpu().double() - torch.from_numpy(r)).abs().max().item() <= TOL[dtype], (B, S, dtype)
 
 
+@pytest.mark.parametrize("M, K, N, limit", [(333, 200, 768, None), (1000, 768, 1024, None), (1, 64, 72, 8)])
+def test_every_configuration_the_tuner_may_pick_is_correct(M, K, N, limit):
+    """MetaSchedule keeps the fastest configuration and never checks its numerics, so every
+    configuration of the rule's space (the first ``limit`` for narrow rows, whose space is
+    large) must compute the right result, odd M included."""
+    import tvm  # pylint: disable=import-outside-toplevel
+    from tvm import s_tir  # pylint: disable=import-outside-toplevel
+    from tvm_comfuse.schedule import GemmRowTile  # pylint: disable=import-outside-toplevel
+    from tvm_comfuse.schedule.lowering import PASS_CONFIG, TIR_PIPELINE  # pylint: disable=import-outside-toplevel
+    from tvm_comfuse.tune.tasks import fused_module  # pylint: disable=import-outside-toplevel
+
+    target = tvm.target.Target.from_device(tvm.cuda(0))
+    mod = wl.post_norm(M, K, N, "float16", "layer_norm", linear=True)
+    funcs = [f for _, f in fused_module(mod, target).functions_items() if "comfuse.kind" in (f.attrs or {})]
+    (func,) = [f.with_attr("global_symbol", "main") for f in funcs]
+    args = dict(zip(["x", "w", "b", "r", "gamma", "beta"], _inputs(M, K, N, "float16", linear=True)))
+    ref = wl.post_norm_reference([args[n].float().cpu().numpy() for n in ["x", "w", "b", "r", "gamma", "beta"]],
+                                 "layer_norm", linear=True)[0]
+    rule, bad = GemmRowTile(), []
+    configs = rule.configs(s_tir.Schedule(func), target)[:limit]
+    assert configs
+    for cfg in configs:
+        sch = rule._try(s_tir.Schedule(func), cfg)  # pylint: disable=protected-access
+        with tvm.transform.PassContext(opt_level=3, config=PASS_CONFIG):
+            lib = tvm.tirx.build(sch.mod, target=target, pipeline=TIR_PIPELINE)
+        out = torch.empty(M, N, device="cuda", dtype=torch.float16)
+        lib["main"](*[tvm.runtime.from_dlpack(args[p.name] if p.name in args else out) for p in func.params])
+        err = (out.float().cpu().double() - torch.from_numpy(ref)).abs().max().item()
+        if not err <= TOL["float16"]:
+            bad.append(f"{cfg}: max abs error {err:.3g}")
+    assert not bad, "\n".join(bad)
+
+
 def test_bert_encoder_fp16_on_gpu():
     pytest.importorskip("transformers")
     mod, params, module, example = wl.bert_encoder(layers=2, hidden=256, heads=4, batch=4, seq=64, dtype="float16")

@@ -363,11 +363,10 @@ def _run(executable, mod, args, target: str):
 def _rule_scheduled(mod, target) -> list:
     """The fused functions the gemm_reduce rule schedules itself on ``target`` (the others go to
     DLight's rules: gemm_elementwise by design, gemm_reduce when the rule declines)."""
-    from ..pipeline import fusion_passes  # pylint: disable=import-outside-toplevel
     from ..schedule import GemmRowTile  # pylint: disable=import-outside-toplevel
+    from ..tune.tasks import fused_module  # pylint: disable=import-outside-toplevel
 
-    with target:
-        fused = tvm.transform.Sequential(fusion_passes(target))(mod)
+    fused = fused_module(mod, target)
     rule = GemmRowTile()
     return [gv.name_hint for gv, f in fused.functions_items()
             if isinstance(f, tvm.tirx.PrimFunc) and rule.apply(f, target, False) is not None]
