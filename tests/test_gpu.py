@@ -91,27 +91,20 @@ def test_every_configuration_the_tuner_may_pick_is_correct(M, K, N, limit):
     configuration of the rule's space (the first ``limit`` for narrow rows, whose space is
     large) must compute the right result, odd M included."""
     import tvm  # pylint: disable=import-outside-toplevel
-    from tvm import s_tir  # pylint: disable=import-outside-toplevel
     from tvm_comfuse.schedule import GemmRowTile  # pylint: disable=import-outside-toplevel
-    from tvm_comfuse.schedule.lowering import PASS_CONFIG, TIR_PIPELINE  # pylint: disable=import-outside-toplevel
-    from tvm_comfuse.tune.tasks import fused_module  # pylint: disable=import-outside-toplevel
+    from tvm_comfuse.schedule.space_check import build_kernel, fused_group  # pylint: disable=import-outside-toplevel
 
     target = tvm.target.Target.from_device(tvm.cuda(0))
-    mod = wl.post_norm(M, K, N, "float16", "layer_norm", linear=True)
-    funcs = [f for _, f in fused_module(mod, target).functions_items() if "comfuse.kind" in (f.attrs or {})]
-    (func,) = [f.with_attr("global_symbol", "main") for f in funcs]
-    args = dict(zip(["x", "w", "b", "r", "gamma", "beta"], _inputs(M, K, N, "float16", linear=True)))
-    ref = wl.post_norm_reference([args[n].float().cpu().numpy() for n in ["x", "w", "b", "r", "gamma", "beta"]],
-                                 "layer_norm", linear=True)[0]
-    rule, bad = GemmRowTile(), []
-    configs = rule.configs(s_tir.Schedule(func), target)[:limit]
-    assert configs
-    for cfg in configs:
-        sch = rule._try(s_tir.Schedule(func), cfg)  # pylint: disable=protected-access
-        with tvm.transform.PassContext(opt_level=3, config=PASS_CONFIG):
-            lib = tvm.tirx.build(sch.mod, target=target, pipeline=TIR_PIPELINE)
+    func = fused_group(wl.post_norm(M, K, N, "float16", "layer_norm", linear=True), target)
+    names = ["x", "w", "b", "r", "gamma", "beta"]
+    args = dict(zip(names, _inputs(M, K, N, "float16", linear=True)))
+    ref = wl.post_norm_reference([args[n].float().cpu().numpy() for n in names], "layer_norm", linear=True)[0]
+    scheduled = GemmRowTile().scheduled(tvm.s_tir.Schedule(func), target, limit)
+    assert scheduled
+    bad = []
+    for cfg, sch in scheduled:
         out = torch.empty(M, N, device="cuda", dtype=torch.float16)
-        lib["main"](*[tvm.runtime.from_dlpack(args[p.name] if p.name in args else out) for p in func.params])
+        build_kernel(sch, target)["main"](*[tvm.runtime.from_dlpack(args.get(p.name, out)) for p in func.params])
         err = (out.float().cpu().double() - torch.from_numpy(ref)).abs().max().item()
         if not err <= TOL["float16"]:
             bad.append(f"{cfg}: max abs error {err:.3g}")

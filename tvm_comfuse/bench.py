@@ -124,12 +124,12 @@ def _contenders(torch, shape, norm, dtype, args, which, target):
 
 def tuned_logs(workload: str) -> str | None:
     """The shipped tuning logs of a suite shape or model, if any."""
-    from .tune.logs import default_work_dir  # pylint: disable=import-outside-toplevel
+    from .tune.logs import RECORD_FILE, default_work_dir  # pylint: disable=import-outside-toplevel
     from .target import parse_target  # pylint: disable=import-outside-toplevel
 
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     path = os.path.join(here, default_work_dir(parse_target(TUNED_TARGET), workload))
-    return path if os.path.isfile(os.path.join(path, "database_tuning_record.json")) else None
+    return path if os.path.isfile(os.path.join(path, RECORD_FILE)) else None
 
 
 def run(shapes, norms, dtypes, which=CONTENDERS, log=print) -> list:

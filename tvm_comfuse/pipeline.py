@@ -35,15 +35,17 @@ def load_database(database, target: tvm.target.Target | None = None) -> ms.Datab
     is looked up by the PrimFunc alone, so logs from another GPU would silently apply kernels
     tuned (or not even valid) for it.
     """
+    from .tune.logs import RECORD_FILE, WORKLOAD_FILE  # pylint: disable=import-outside-toplevel  (tune imports us)
+
     if isinstance(database, ms.Database):
         return database
     path = os.fspath(database)
-    workload = os.path.join(path, "database_workload.json")
-    records = os.path.join(path, "database_tuning_record.json")
+    workload = os.path.join(path, WORKLOAD_FILE)
+    records = os.path.join(path, RECORD_FILE)
     if not (os.path.isfile(workload) and os.path.isfile(records)):
         raise ComFuseError(
-            f"{path!r} is not a MetaSchedule log directory (it needs database_workload.json and "
-            "database_tuning_record.json). Pass the --work-dir that `comfuse tune` wrote, "
+            f"{path!r} is not a MetaSchedule log directory (it needs {WORKLOAD_FILE} and "
+            f"{RECORD_FILE}). Pass the --work-dir that `comfuse tune` wrote, "
             "or a tvm.s_tir.meta_schedule.Database."
         )
     if target is not None:
@@ -67,12 +69,12 @@ def _machine(target: tvm.target.Target) -> tuple:
 
 def _check_logs_target(path: str, records: str, target: tvm.target.Target) -> None:
     """Raise ComFuseError if the logs in ``path`` were measured for another kind/architecture."""
-    tuned = None
-    meta = os.path.join(path, "comfuse_meta.json")
+    from .tune.logs import read_meta  # pylint: disable=import-outside-toplevel  (tune imports us)
+
+    tuned, meta = None, read_meta(path)
     try:
-        if os.path.isfile(meta):
-            with open(meta, encoding="utf-8") as f:
-                tuned = tvm.target.Target(json.load(f)["target"])
+        if meta is not None:
+            tuned = tvm.target.Target(meta["target"])
         else:
             with open(records, encoding="utf-8") as f:
                 first = f.readline()

@@ -90,18 +90,23 @@ def tile_symbolic_rows(sch: s_tir.Schedule, bm: int) -> None:
     transform is declared injective instead of padded.
     """
 
-    def walk(parent, done):
-        for child in sch.get_child_blocks(parent):
-            for i, region in enumerate(sch.get(child).writes):
-                buf = region.source
-                if buf.scope().startswith("shared") and not isinstance(buf.shape[0], tirx.IntImm) and buf.name not in done:
-                    done.add(buf.name)
-                    sch.transform_layout(
-                        child, ("write", i), lambda *ix: (ix[0] // bm, ix[0] % bm, *ix[1:]), assume_injective_transform=True
-                    )
-            walk(child, done)
+    for block, index, buf in _written_buffers(sch):
+        if buf.scope().startswith("shared") and not isinstance(buf.shape[0], tirx.IntImm):
+            sch.transform_layout(
+                block, ("write", index), lambda *ix: (ix[0] // bm, ix[0] % bm, *ix[1:]), assume_injective_transform=True
+            )
 
-    walk(sch.get_sblock("root"), set())
+
+def _written_buffers(sch: s_tir.Schedule, parent=None, done=None):
+    """``(block, write index, buffer)`` for each buffer, at the first block (depth first, in
+    program order) that writes it: where a layout transform of that buffer is applied."""
+    done = set() if done is None else done
+    for child in sch.get_child_blocks(parent if parent is not None else sch.get_sblock("root")):
+        for i, region in enumerate(sch.get(child).writes):
+            if region.source.name not in done:
+                done.add(region.source.name)
+                yield child, i, region.source
+        yield from _written_buffers(sch, child, done)
 
 
 def uses_var(expr, var) -> bool:
@@ -150,17 +155,9 @@ def flatten_row_buffers(sch: s_tir.Schedule, rows: tuple, blocks: list = ()) -> 
     parameters, and so the function's signature, keep their shapes."""
     _flatten_iterations(sch, blocks, rows)
     params = output_buffers(sch.mod["main"])
-
-    def walk(parent, done):
-        for child in sch.get_child_blocks(parent):
-            for i, region in enumerate(sch.get(child).writes):
-                buf = region.source
-                if buf not in params and buf.name not in done and _static(buf.shape[:2]) == list(rows):
-                    done.add(buf.name)
-                    sch.transform_layout(child, ("write", i), _fuse_rows(rows[1], len(buf.shape)))
-            walk(child, done)
-
-    walk(sch.get_sblock("root"), set())
+    for block, index, buf in _written_buffers(sch):
+        if buf not in params and _static(buf.shape[:2]) == list(rows):
+            sch.transform_layout(block, ("write", index), _fuse_rows(rows[1], len(buf.shape)))
 
 
 def _static(dims) -> list:

@@ -118,15 +118,17 @@ class GemmRowTile(ScheduleRule):
             return candidates(MmaConfig, arch, n)
         return candidates(RowTileConfig, arch, n, _operand_bytes(sch, g.mainloop))
 
+    def scheduled(self, sch: s_tir.Schedule, target, limit: int | None = None) -> list:
+        """``[(configuration, schedule)]`` for the first ``limit`` configurations that fit,
+        each schedule a copy of ``sch`` (so its trace replays on the task); configurations the
+        rule cannot apply are left out."""
+        pairs = ((cfg, self._try(sch.copy(), cfg)) for cfg in self.configs(sch, target)[:limit])
+        return [(cfg, done) for cfg, done in pairs if done is not None]
+
     def space(self, sch: s_tir.Schedule, target) -> list:
-        """The design space for MetaSchedule: one schedule per valid configuration, each a
-        copy of ``sch`` (so its trace replays on the task), none that cannot build."""
-        out = []
-        for cfg in self.configs(sch, target):
-            scheduled = self._try(sch.copy(), cfg)
-            if scheduled is not None:
-                out.append(scheduled)
-        return out
+        """The design space for MetaSchedule: one schedule per valid configuration, none that
+        cannot build."""
+        return [done for _, done in self.scheduled(sch, target)]
 
     @staticmethod
     def _try(sch: s_tir.Schedule, cfg):

@@ -14,8 +14,7 @@ import time
 import tvm
 
 from .. import codegen, workloads
-from ..pipeline import fusion_passes
-from ..transform.fuse_compute_memory import GROUPS_ATTR
+from ..transform.fuse_compute_memory import KIND_ATTR
 from .gemm_reduce import GemmRowTile
 from .lowering import PASS_CONFIG, TIR_PIPELINE
 
@@ -23,23 +22,35 @@ from .lowering import PASS_CONFIG, TIR_PIPELINE
 def build_space(M: int, K: int, N: int, arch: str = "sm_90", dtype: str = "float16", limit: int | None = None):
     """``[(config, error or None)]`` for every schedule in the rule's space for this shape."""
     target = tvm.target.Target({"kind": "cuda", "arch": arch})
-    mod = tvm.transform.Sequential(fusion_passes(target))(workloads.post_norm(M, K, N, dtype, linear=True))
-    func = mod[str(next(iter(mod.attrs[GROUPS_ATTR].keys())))]
-    rule = GemmRowTile()
+    func = fused_group(workloads.post_norm(M, K, N, dtype, linear=True), target)
     sch = tvm.s_tir.Schedule(func)
+    configs = GemmRowTile().configs(sch, target)[:limit]
+    built = dict(GemmRowTile().scheduled(sch, target, limit))
     results = []
-    for cfg in rule.configs(sch, target)[:limit]:
+    for cfg in configs:
         try:
-            scheduled = rule._try(sch.copy(), cfg)  # pylint: disable=protected-access
-            if scheduled is None:
+            if cfg not in built:
                 raise RuntimeError("the rule could not schedule this configuration")
-            with tvm.transform.PassContext(opt_level=3, config=PASS_CONFIG):
-                ex = tvm.compile(scheduled.mod["main"].with_attr("global_symbol", "main"), target=target, tir_pipeline=TIR_PIPELINE)
-            codegen.compile_with_nvcc(codegen.cuda_source(ex), arch)
+            codegen.compile_with_nvcc(codegen.cuda_source(build_kernel(built[cfg], target)), arch)
             results.append((cfg, None))
         except Exception as err:  # pylint: disable=broad-except
             results.append((cfg, str(err).strip().splitlines()[-1][:160] if str(err).strip() else type(err).__name__))
     return results
+
+
+def fused_group(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.tirx.PrimFunc:
+    """The one ComFuse-fused PrimFunc of ``mod`` after fusion, as a standalone entry function."""
+    from ..tune.tasks import fused_module  # pylint: disable=import-outside-toplevel
+
+    fused = fused_module(mod, target)
+    (func,) = [f for _, f in fused.functions_items() if KIND_ATTR in (f.attrs or {})]
+    return func.with_attr("global_symbol", "main")
+
+
+def build_kernel(sch: tvm.s_tir.Schedule, target: tvm.target.Target):
+    """A scheduled group as a runtime module, lowered as ``tvm_comfuse.compile`` lowers it."""
+    with tvm.transform.PassContext(opt_level=3, config=PASS_CONFIG):
+        return tvm.compile(sch.mod, target=target, tir_pipeline=TIR_PIPELINE)
 
 
 def main(argv=None) -> int:

@@ -408,8 +408,9 @@ def _error(e: Exception) -> str:
 
 def build_both(case: Case, target: str = "llvm") -> dict:
     """Compile ``case`` with ComFuse and (where it can) vanilla TVM: ``{"comfuse": executable
-    or error string, "vanilla": ...}``. Split from :func:`check` so GPU runs can compile in
-    worker processes (compiling dominates) and run in one."""
+    or error string, "vanilla": ...}``, and on a GPU ``"rule"``: the functions the gemm_reduce
+    rule scheduled. Split from :func:`check` so GPU runs can do this in worker processes
+    (compiling dominates) and run in one."""
     mod, out = build(case), {}
     for name, comfuse in (("comfuse", True), ("vanilla", False)):
         if name == "vanilla" and not vanilla_supported(case):
@@ -418,6 +419,8 @@ def build_both(case: Case, target: str = "llvm") -> dict:
             out[name] = _compile(mod, _target(target), comfuse)
         except Exception as e:  # pylint: disable=broad-except
             out[name] = _error(e)
+    if target != "llvm" and not isinstance(out["comfuse"], str):
+        out["rule"] = _rule_scheduled(mod, _target(target))
     return out
 
 
@@ -437,7 +440,7 @@ def check(case: Case, target: str = "llvm", built: dict | None = None) -> dict:
             raise RuntimeError(built["comfuse"])
         if target != "llvm":
             rec["kernels"] = _kernels_of(built["comfuse"], groups)
-            rec["rule"] = _rule_scheduled(mod, _target(target))
+            rec["rule"] = built["rule"]
         args = inputs(case)
         ref = [r.reshape(-1) for r in reference(case, args)]
         ours = [o.reshape(-1) for o in _run(built["comfuse"], mod, args, target)]
@@ -522,12 +525,12 @@ def _built_in_worker(job):
     """Pool worker: compile one case both ways and export each executable to a shared library."""
     seed, target, folder = job
     out = {}
-    for name, ex in build_both(generate(seed), target).items():
-        if isinstance(ex, str):
-            out[name] = ("error", ex)
+    for name, value in build_both(generate(seed), target).items():
+        if isinstance(value, (str, list)):  # an error, or the rule's functions
+            out[name] = ("value", value)
         else:
             out[name] = ("library", os.path.join(folder, f"{seed}-{name}.so"))
-            ex.export_library(out[name][1])
+            value.export_library(out[name][1])
     return seed, out
 
 

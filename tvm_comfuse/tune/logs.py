@@ -41,6 +41,18 @@ def default_work_dir(target: tvm.target.Target, workload: str) -> str:
     return os.path.join("tuning_logs", target_name(target), re.sub(r"[^A-Za-z0-9_.-]+", "_", workload))
 
 
+def read_meta(path: str) -> dict | None:
+    """The ``comfuse_meta.json`` of the log directory ``path`` (None if it has none)."""
+    meta_path = os.path.join(path, META_FILE)
+    if not os.path.isfile(meta_path):
+        return None
+    try:
+        with open(meta_path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as err:
+        raise ComFuseError(f"{meta_path}: unreadable ({err})") from None
+
+
 class WorkDir:
     """A tuning work directory for one target; :meth:`check` before :meth:`database`."""
 
@@ -63,13 +75,9 @@ class WorkDir:
         self.scan()
 
     def _check_meta(self) -> None:
-        if not os.path.isfile(self.meta_path):
+        meta = read_meta(self.path)
+        if meta is None:
             return
-        try:
-            with open(self.meta_path, encoding="utf-8") as f:
-                meta = json.load(f)
-        except (OSError, json.JSONDecodeError) as err:
-            raise ComFuseError(f"{self.meta_path}: unreadable ({err})") from None
         want = self.expected_meta()
         for key, what in (("target", "target"), ("tvm_version", "TVM version")):
             if meta.get(key) != want[key]:

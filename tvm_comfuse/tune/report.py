@@ -32,25 +32,22 @@ def decode(work_dir: str) -> dict:
     with open(os.path.join(work_dir, META_FILE), encoding="utf-8") as f:
         target = parse_target(json.load(f)["target"])
     db = load_database(work_dir, target)
-    rule, rows, default = GemmRowTile(), [], None
+    rows, default, spaces = [], None, {}
     for rec in db.get_all_tuning_records():
         func = rec.workload.mod
+        key = tvm_ffi.structural_hash(func)
+        if key not in spaces:  # every configuration scheduled once per task, not once per record
+            spaces[key] = GemmRowTile().scheduled(s_tir.Schedule(func), target)
+            default = default or (spaces[key][0][0] if spaces[key] else None)
         tuned = s_tir.Schedule(func)
         rec.trace.apply_to_schedule(tuned, remove_postproc=False)
-        configs = rule.configs(s_tir.Schedule(func), target)
-        default = default or (configs[0] if configs else None)
-        match = next((c for c in configs if _same(rule, func, c, tuned)), None)
+        match = next((cfg for cfg, sch in spaces[key] if tvm_ffi.structural_equal(sch.mod, tuned.mod)), None)
         secs = [float(s) for s in rec.run_secs or []]
         rows.append({"us": round(sum(secs) / len(secs) * 1e6, 2) if secs else None,
                      "config": dataclasses.asdict(match) if match else None})
     rows.sort(key=lambda r: float("inf") if r["us"] is None else r["us"])
     return {"workload": os.path.basename(os.path.normpath(work_dir)), "target": str(target.attrs.get("arch", "")),
             "default": dataclasses.asdict(default) if default else None, "records": rows}
-
-
-def _same(rule, func, cfg, tuned) -> bool:
-    scheduled = rule._try(s_tir.Schedule(func), cfg)  # pylint: disable=protected-access
-    return scheduled is not None and tvm_ffi.structural_equal(scheduled.mod, tuned.mod)
 
 
 def main(argv=None) -> int:
