@@ -25,7 +25,7 @@ def kernel_names(source: str) -> list:
     return list(dict.fromkeys(_KERNEL.findall(source)))
 
 
-_KERNEL = re.compile(r"__global__\s+void\s+(?:__launch_bounds__\(\d+\)\s+)?(\w+)\s*\(")
+_KERNEL = re.compile(r"__global__\s+void\s+(?:__cluster_dims__\([\d, ]+\)\s+)?(?:__launch_bounds__\(\d+\)\s+)?(\w+)\s*\(")
 
 
 def have_nvcc() -> bool:

@@ -24,6 +24,15 @@ SMEM_DYN_BYTES = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024, "
 SMEM_STATIC_BYTES = 48 * 1024
 
 
+#: Portable thread-block cluster sizes (CTAs sharing a row when it is split).
+CLUSTER_SIZES = (2, 4, 8)
+
+
+def has_clusters(arch: str | None) -> bool:
+    """Thread-block clusters and distributed shared memory: sm_90 and later."""
+    return bool(arch) and arch.startswith("sm_") and int("".join(c for c in arch[3:] if c.isdigit()) or 0) >= 90
+
+
 def smem_limit(arch: str | None, dynamic: bool) -> int:
     """Shared memory per thread block on ``arch`` (``sm_90a`` counts as ``sm_90``)."""
     if not dynamic or not arch:
@@ -42,13 +51,17 @@ class MmaConfig:
     warps_n: int = 8
     stages: int = 3
     vec: int = 8  # fp16 elements per cp.async (16 bytes)
+    splits: int = 1  # CTAs (one cluster) sharing each row, each a ``n // splits`` column slice
 
     @property
     def warps(self) -> int:
         return self.warps_m * self.warps_n
 
     def bn(self, n: int) -> int:
-        """The padded row width: a multiple of 16 per warp column."""
+        """The padded row width (a multiple of 16 per warp column), or with ``splits`` the
+        exact width of one CTA's column slice."""
+        if self.splits > 1:
+            return n // self.splits
         step = 16 * self.warps_n
         return (n + step - 1) // step * step
 
@@ -59,16 +72,24 @@ class MmaConfig:
         """
         bn = self.bn(n)
         ring = self.stages * (self.bm + bn) * self.bk * 2
-        return max(ring, self.bm * bn * 4) + self.bm * n * tile_bytes
+        return max(ring, self.bm * bn * 4) + self.bm * (bn if self.splits > 1 else n) * tile_bytes
 
     def acc_regs(self, n: int) -> int:
         """fp32 accumulator registers per thread."""
         return self.bm * self.bn(n) // (32 * self.warps)
 
     def fits(self, n: int, arch: str | None, in_bytes: int = 2) -> bool:  # pylint: disable=unused-argument
-        """True if the tiling divides evenly and fits shared memory and registers."""
+        """True if the tiling divides evenly and fits shared memory and registers (and, for a
+        row split over a cluster, the architecture has clusters and the slices divide the row)."""
+        split_ok = self.splits == 1 or (
+            self.splits in CLUSTER_SIZES
+            and has_clusters(arch)
+            and n % self.splits == 0
+            and (n // self.splits) % (16 * self.warps_n) == 0
+        )
         return (
-            self.bm % (16 * self.warps_m) == 0
+            split_ok
+            and self.bm % (16 * self.warps_m) == 0
             and self.bk % 32 == 0  # the XOR swizzle needs rows of >= 32 fp16
             and self.warps <= 32
             and self.smem_bytes(n) <= smem_limit(arch, dynamic=True)
@@ -102,6 +123,10 @@ SPACES = {
     MmaConfig: [
         MmaConfig(bm=bm, bk=bk, warps_m=wm, warps_n=wn, stages=st)
         for bm, bk, wm, wn, st in itertools.product((32, 16, 64), (32, 64), (1, 2), (8, 4), (3, 2, 4))
+    ]
+    + [
+        MmaConfig(bm=bm, bk=bk, warps_m=wm, warps_n=wn, stages=st, splits=sp)
+        for sp, bm, bk, (wm, wn), st in itertools.product((4, 2, 8), (128, 64), (32, 64), ((2, 4), (4, 2), (2, 2)), (3, 4))
     ],
     RowTileConfig: [
         RowTileConfig(bm=bm, warps=w, bk=bk)

@@ -32,10 +32,14 @@ from .blocks import (
 )
 from .config import MmaConfig, RowTileConfig, candidates, default
 from .mma_mainloop import gemm_maps, schedule_mma_mainloop
-from .row_epilogue import bind_spatial, schedule_row_epilogue
+from .row_epilogue import bind_spatial, schedule_cluster_row_epilogue, schedule_row_epilogue, split_reductions
 from .simt_mainloop import schedule_simt_mainloop
 
 LOG = logging.getLogger("tvm_comfuse")
+#: How many configurations (defaults first) an untuned compile tries before leaving the
+#: group to DLight: a group the first cannot schedule (a cluster split of an unusual
+#: epilogue) still gets the next.
+_FALLBACKS = 4
 
 
 def _row_tile(sch: s_tir.Schedule, g):
@@ -98,8 +102,11 @@ class GemmRowTile(ScheduleRule):
         if not is_gpu(target) or str((func.attrs or {}).get(KIND_ATTR, "")) not in self.kinds:
             return None
         sch = s_tir.Schedule(func)
-        configs = self.configs(sch, target)
-        return self._try(sch, configs[0]) if configs else None
+        for cfg in self.configs(sch, target)[:_FALLBACKS]:
+            done = self._try(sch.copy(), cfg)
+            if done is not None:
+                return done
+        return None
 
     def configs(self, sch: s_tir.Schedule, target) -> list:
         """Every configuration that fits this group on ``target`` (default first); empty if
@@ -115,7 +122,7 @@ class GemmRowTile(ScheduleRule):
             return []
         arch = str(target.attrs.get("arch", ""))
         if _tensor_core_eligible(sch, g, n, arch):
-            return candidates(MmaConfig, arch, n)
+            return mma_candidates(arch, n, sch.get(g.mainloop).iter_vars[0].dom.extent)
         return candidates(RowTileConfig, arch, n, _operand_bytes(sch, g.mainloop))
 
     def scheduled(self, sch: s_tir.Schedule, target, limit: int | None = None) -> list:
@@ -163,10 +170,13 @@ def _schedule(sch: s_tir.Schedule, cfg) -> s_tir.Schedule:
             rest.insert(0, copies[-1])
     if rows is not None:
         flatten_row_buffers(sch, rows, copies)
+    splits = getattr(cfg, "splits", 1)
+    if splits > 1:
+        rest, combines = split_reductions(sch, rest, splits)
     if isinstance(cfg, MmaConfig):
-        bx, c_tile = schedule_mma_mainloop(sch, g.mainloop, n, cfg)
+        bx, cta, c_tile = schedule_mma_mainloop(sch, g.mainloop, n, cfg)
         writeback = _inline_epilogue(sch, c_tile, tile)
-        bind_spatial(sch, writeback, bx, cfg.warps)
+        bind_spatial(sch, writeback, cta, cfg.warps)
         scope = "shared.dyn"
     else:
         bx, writeback = schedule_simt_mainloop(sch, g.mainloop, cfg)
@@ -177,9 +187,19 @@ def _schedule(sch: s_tir.Schedule, cfg) -> s_tir.Schedule:
         flatten_row_buffers(sch, rows)  # and the mainloop's caches
     if not writes_output(sch, writeback, outputs):
         sch.set_scope(writeback, 0, scope)
-    schedule_row_epilogue(sch, bx, rest, outputs, cfg.warps)
-    tile_symbolic_rows(sch, cfg.bm)
+    if splits > 1:
+        schedule_cluster_row_epilogue(sch, bx, rest, combines, outputs, cfg)
+    else:
+        schedule_row_epilogue(sch, bx, rest, outputs, cfg.warps)
+        tile_symbolic_rows(sch, cfg.bm)
     return sch
+
+
+def mma_candidates(arch: str, n: int, rows) -> list:
+    """The tensor-core configurations for ``rows x n`` (defaults first): a row split over a
+    cluster needs whole row tiles, so only a static ``rows``, a multiple of ``bm``, gets one."""
+    static = rows if isinstance(rows, int) else int(rows) if isinstance(rows, tirx.IntImm) else None
+    return [c for c in candidates(MmaConfig, arch, n) if c.splits == 1 or static is not None and static % c.bm == 0]
 
 
 def _operand_bytes(sch: s_tir.Schedule, mm) -> int:
@@ -207,7 +227,8 @@ def _tensor_core_eligible(sch: s_tir.Schedule, g, n: int, arch: str) -> bool:
     k = [iv.dom.extent for iv in block.iter_vars if iv.iter_type == tirx.IterVar.CommReduce]
     if len(operands) != 1 or len(block.iter_vars) != 3 or len(k) != 1 or not isinstance(k[0], tirx.IntImm):
         return False
-    return _tensor_core_dtype_ok(operands.pop(), n, int(k[0]), arch) and default(MmaConfig, arch, n) is not None
+    rows = block.iter_vars[0].dom.extent
+    return _tensor_core_dtype_ok(operands.pop(), n, int(k[0]), arch) and bool(mma_candidates(arch, n, rows))
 
 
 def _inline_epilogue(sch: s_tir.Schedule, c_tile, tile):
@@ -235,6 +256,6 @@ def row_tile_fits(gemm: tuple, dtype: str, target) -> bool:
     if not isinstance(n, int) or batch != 1 and not (isinstance(batch, int) and isinstance(m, int)):
         return False
     arch = str(target.attrs.get("arch", ""))
-    if _tensor_core_dtype_ok(dtype, n, k, arch) and default(MmaConfig, arch, n) is not None:
+    if _tensor_core_dtype_ok(dtype, n, k, arch) and mma_candidates(arch, n, m if batch == 1 else batch * m):
         return True
     return default(RowTileConfig, arch, n, 2 if dtype in ("float16", "bfloat16") else 4) is not None

@@ -10,6 +10,12 @@
    the quotient is ``c // 256``; a CUDA post-processing hook folds it, only inside kernels
    that issue ``mma.sync`` (ComFuse's: their ``threadIdx.x`` extent is 32 by construction).
 
+3. Rows split over a thread-block cluster (:mod:`.cluster`) need the kernel launched with
+   clusters. TVM 0.27's ``clusterCtaIdx`` binding is rejected by the s_tir lowering passes
+   (ThreadSync's thread-scope check), so the same CUDA hook gives each kernel that calls the
+   ``allgather`` intrinsic the compile-time attribute ``__cluster_dims__(ranks, 1, 1)``;
+   cluster rank is then ``blockIdx.x``, which is how the rule binds the column slices.
+
 ``cp.async`` additionally needs ``tirx.use_async_copy``, and CSE must not hide the fragment
 offsets from LowerWarpMemory (``tirx.disable_cse_tir``): :data:`PASS_CONFIG`.
 """
@@ -56,6 +62,29 @@ def _fold(match) -> str:
     return f"({(c // 256) * mul + add})" if c % 256 <= 7 else match.group(0)
 
 
+_CLUSTER_CALL = re.compile(r"comfuse_cluster_allgather_\w+_x(\d+)\(")
+_KERNEL_NAME = re.compile(r'extern "C" __global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(')
+
+
+def add_cluster_dims(code: str) -> str:
+    """Give every kernel that exchanges row statistics across a cluster its cluster shape."""
+    dims = {}
+    for part in _KERNEL_START.split(code):
+        ranks = set(_CLUSTER_CALL.findall(part.split("{", 1)[-1]))
+        name = _KERNEL_NAME.match(part)
+        if name and ranks:
+            if len(ranks) != 1:
+                raise ValueError(f"kernel {name.group(1)} mixes cluster sizes {sorted(ranks)}")
+            dims[name.group(1)] = ranks.pop()
+
+    def _attr(match):
+        ranks = dims.get(match.group(1))
+        head = match.group(0)
+        return head.replace("__global__ void ", f"__global__ void __cluster_dims__({ranks}, 1, 1) ", 1) if ranks else head
+
+    return _KERNEL_NAME.sub(_attr, code) if dims else code
+
+
 def fold_fragment_indices(code: str) -> str:
     """Fold the fragment-half truncdiv in every kernel that issues mma.sync (see module doc)."""
     parts = _KERNEL_START.split(code)
@@ -64,4 +93,4 @@ def fold_fragment_indices(code: str) -> str:
 
 @tvm_ffi.register_global_func("tvm_callback_cuda_postproc", override=True)
 def _cuda_postproc(code, target=None):  # pylint: disable=unused-argument
-    return fold_fragment_indices(code)
+    return add_cluster_dims(fold_fragment_indices(code))

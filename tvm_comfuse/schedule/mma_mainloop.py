@@ -86,9 +86,16 @@ def schedule_mma_mainloop(sch: s_tir.Schedule, mm, n: int, cfg: MmaConfig):
     j0, j1, j2 = sch.split(j, [None, cfg.warps_n, wn // 16])
     k0, k1 = sch.split(k, [None, bk // 16])
     sch.reorder(i0, j0, i1, j1, k0, k1, i2, j2)
-    bx = sch.fuse(s, i0, j0)
-    sch.bind(bx, "blockIdx.x")
-    sch.bind(sch.fuse(i1, j1), "threadIdx.y")
+    if cfg.splits > 1:  # the row's column slices: the CTAs of one cluster
+        bx = sch.fuse(s, i0)
+        sch.bind(bx, "blockIdx.y")
+        sch.bind(j0, "blockIdx.x")
+        cta = j0
+    else:
+        bx = cta = sch.fuse(s, i0, j0)
+        sch.bind(bx, "blockIdx.x")
+    warp = sch.fuse(i1, j1)
+    sch.bind(warp, "threadIdx.y")
 
     def fetch(idx: int, k_major: bool):
         sh = sch.cache_read(outer, idx, "shared.dyn")
@@ -126,8 +133,8 @@ def schedule_mma_mainloop(sch: s_tir.Schedule, mm, n: int, cfg: MmaConfig):
 
     c_tile = sch.cache_write(outer, 0, "shared.dyn")
     c_wp = sch.cache_write(outer, 0, "warp")
-    sch.reverse_compute_at(c_wp, sch.get_loops(outer)[1])  # the warp loop (threadIdx.y)
-    sch.reverse_compute_at(c_tile, bx)
+    sch.reverse_compute_at(c_wp, warp)
+    sch.reverse_compute_at(c_tile, cta)
     # the C tile is padded, not swizzled: the epilogue that reads it is inlined by the caller,
     # and a swizzle would have to be applied to every block touching the tile
     sch.storage_align(c_wp, 0, axis=-2, factor=32, offset=4)
@@ -156,4 +163,4 @@ def schedule_mma_mainloop(sch: s_tir.Schedule, mm, n: int, cfg: MmaConfig):
     sch.annotate(k0, "software_pipeline_stage", [0, 0] + [cfg.stages - 1] * n_compute)
     sch.annotate(k0, "software_pipeline_order", list(range(2 + n_compute)))
     sch.annotate(k0, "software_pipeline_async_stages", [0])
-    return bx, c_tile
+    return bx, cta, c_tile

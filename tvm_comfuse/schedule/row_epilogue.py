@@ -10,9 +10,9 @@ un-normalised GEMM result never makes the round trip through HBM.
 
 from __future__ import annotations
 
-from tvm import s_tir
+from tvm import s_tir, tirx
 
-from .blocks import is_reduction, writes_output
+from .blocks import is_reduction, uses_var, writes_output
 
 
 def _loops_below(sch: s_tir.Schedule, rv, bx) -> list:
@@ -51,3 +51,114 @@ def schedule_row_epilogue(sch: s_tir.Schedule, bx, blocks: list, outputs: set, w
         if not writes_output(sch, rv, outputs):
             sch.set_scope(rv, 0, "shared")
         (_bind_reduction if is_reduction(sch, rv) else bind_spatial)(sch, rv, bx, warps)
+
+
+# -- rows split over a thread-block cluster -------------------------------------------------
+
+
+def split_reductions(sch: s_tir.Schedule, blocks: list, splits: int) -> tuple:
+    """Split every row reduction of ``blocks`` over ``splits`` column slices (``rfactor``):
+    ``R[r] = reduce_k f(r, k)`` becomes ``R_rf[s, r] = reduce over slice s`` and ``R[r] = reduce_s
+    R_rf[s, r]``. Returns the new block list (program order) and the names of the combining
+    blocks. Raises ValueError for a reduction that is not ``rows x one reduced axis``."""
+    out, combines = [], set()
+    for rv in blocks:
+        if not is_reduction(sch, rv):
+            out.append(rv)
+            continue
+        kinds = [iv.iter_type for iv in sch.get(rv).iter_vars]
+        if kinds.count(2) != 1 or kinds[-1] != 2 or len(sch.get(rv).writes) != 1:
+            raise ValueError("a cluster split needs reductions over one trailing axis")
+        ko, _ = sch.split(sch.get_loops(rv)[-1], [splits, None])
+        out += [sch.rfactor(ko, 0), rv]
+        combines.add(sch.get(rv).name_hint)
+    return out, combines
+
+
+def schedule_cluster_row_epilogue(sch: s_tir.Schedule, bx, blocks: list, combines: set, outputs: set, cfg) -> None:
+    """The row epilogue when the ``cfg.splits`` CTAs of a cluster (``blockIdx.x``) share each
+    row, each holding one ``n // splits`` column slice of the row tile in shared memory.
+
+    Under the row-tile loop ``bx``: blocks that touch columns (partial reductions, the
+    normalisation, output copies) run on the CTA's own slice; each combining block first
+    gathers the partials of all CTAs through distributed shared memory (:mod:`.cluster`),
+    then every CTA combines them for its rows. ``blocks`` come from :func:`split_reductions`.
+    """
+    from . import cluster  # pylint: disable=import-outside-toplevel
+
+    gathers = {}
+    for rv in blocks:  # placement first: each block's region is taken from its producers' loops
+        sch.reverse_compute_at(rv, bx, preserve_unit_loops=True)
+        if not writes_output(sch, rv, outputs):
+            sch.set_scope(rv, 0, "shared")
+        if sch.get(rv).name_hint in combines:
+            gathers[sch.get(rv).name_hint] = sch.cache_read(rv, 0, "shared")
+    for rv in blocks:
+        name = sch.get(rv).name_hint
+        loops = _loops_below(sch, rv, bx)
+        ivs = sch.get(rv).iter_vars
+        if len(loops) != len(ivs):
+            raise ValueError(f"block {name} has a loop nest the cluster epilogue cannot bind")
+        if name in combines:
+            gather = gathers[name]
+            dtype = str(sch.get(gather).reads[0].source.dtype)
+            if not cluster.supported(dtype):
+                raise ValueError(f"no cluster exchange for {dtype} partials")
+            _drop_unit_axes(sch, gather)
+            rank, rows = _loops_below(sch, gather, bx)
+            sch.tensorize(rows, cluster.allgather(dtype, cfg.bm, cfg.splits))
+            sch.bind(rank, "blockIdx.x")
+            _bind_rows(sch, rv, loops, ivs, cfg.warps)
+        elif is_reduction(sch, rv):  # a partial reduction over the CTA's slice
+            slice_ = next(i for i, iv in enumerate(ivs) if uses_var(sch.get(rv).writes[0].region[0].min, iv.var))
+            rest = [loop for i, loop in enumerate(loops) if i != slice_]
+            sch.reorder(loops[slice_], *rest)
+            sch.bind(loops[slice_], "blockIdx.x")
+            rows, red = sch.fuse(*rest[:-1]), rest[-1]
+            rs, ty = sch.split(rows, [None, cfg.warps])
+            ro, tx = sch.split(red, [None, 32])
+            sch.reorder(rs, ty, tx, ro)
+            sch.bind(ty, "threadIdx.y")
+            sch.bind(tx, "threadIdx.x")
+        elif len(loops) >= 2 and int(ivs[-1].dom.extent) % cfg.splits == 0:  # rows x columns
+            cols_o, cols_i = sch.split(loops[-1], [cfg.splits, None])
+            sch.reorder(cols_o, *loops[:-1], cols_i)
+            sch.bind(cols_o, "blockIdx.x")
+            _, ty, tx = sch.split(sch.fuse(*loops[:-1], cols_i), [None, cfg.warps, 32])
+            sch.bind(ty, "threadIdx.y")
+            sch.bind(tx, "threadIdx.x")
+        else:  # per-row values: every CTA of the cluster computes them for its rows
+            bind_spatial(sch, rv, bx, cfg.warps)
+
+
+def _drop_unit_axes(sch: s_tir.Schedule, gather) -> None:
+    """Lay the partials out as ``[ranks, rows]`` (a ``keepdims`` reduction writes ``[rows, 1]``):
+    the ``allgather`` intrinsic moves one contiguous row vector per rank."""
+    shape = sch.get(gather).writes[0].source.shape
+    if len(shape) == 2:
+        return
+    if any(int(d) != 1 for d in shape[2:]):
+        raise ValueError("a cluster split needs row reductions (one value per row)")
+    drop = tirx.IndexMap.from_func(lambda s, r, *_: (s, r), ndim=len(shape))
+    producer = sch.get_producers(gather)[0]
+    sch.transform_layout(producer, ("write", 0), drop, assume_injective_transform=True)
+    sch.transform_layout(gather, ("write", 0), drop, assume_injective_transform=True)
+    loops = _loops_of(sch, gather)
+    sch.fuse(*loops[-(len(shape) - 1):])
+
+
+def _loops_of(sch: s_tir.Schedule, rv) -> list:
+    return list(sch.get_loops(rv))
+
+
+def _bind_rows(sch: s_tir.Schedule, rv, loops, ivs, warps: int) -> None:
+    """A combining reduction: its rows over the CTA's threads, the partials in a serial loop."""
+    rows = [loop for loop, iv in zip(loops, ivs) if iv.iter_type == 0]
+    red = [loop for loop, iv in zip(loops, ivs) if iv.iter_type != 0]
+    sch.reorder(*rows, *red)
+    _, ty, tx = sch.split(sch.fuse(*rows), [None, warps, 32])
+    sch.bind(ty, "threadIdx.y")
+    sch.bind(tx, "threadIdx.x")
+    sch.decompose_reduction(rv, red[0])
+
+

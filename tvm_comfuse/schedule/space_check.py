@@ -1,14 +1,21 @@
-"""How many configurations of the rule's design space build: the build-error rate, on CPU.
+"""How many configurations of the rule's design space build (the build-error rate, on CPU),
+and, on a GPU, whether each computes the right result and how fast it runs.
 
 ``python -m tvm_comfuse.schedule.space_check M K N [--arch sm_90]`` schedules the fused
 post-norm group of that shape with every configuration the rule offers, lowers each with
 ComFuse's TIR pipeline and compiles it with nvcc, and prints the counts (MetaSchedule's stock
 tensor-core rules fail to build ~80% of their candidates on the same GEMMs).
+
+``--gpu`` (on a CUDA machine, torch installed) also runs every configuration on the same
+random inputs: max abs error against a float32 reference, then the median of CUDA-event
+times over many calls. That is the exhaustive version of what ``comfuse tune`` searches, used
+to pick the per-architecture defaults in ``schedules/``; ``--json`` writes the rows.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 import tvm
@@ -53,14 +60,73 @@ def build_kernel(sch: tvm.s_tir.Schedule, target: tvm.target.Target):
         return tvm.compile(sch.mod, target=target, tir_pipeline=TIR_PIPELINE)
 
 
+def time_space(M: int, K: int, N: int, norm: str = "layer_norm", limit: int | None = None, log=print) -> list:
+    """On the GPU: ``[{config, max_abs_err, us}]`` for every configuration of the rule for
+    this post-norm shape (fp16, nn.Linear weight), all on the same inputs."""
+    import torch  # pylint: disable=import-outside-toplevel
+
+    from .. import workloads as wl  # pylint: disable=import-outside-toplevel
+
+    target = tvm.target.Target.from_device(tvm.cuda(0))
+    func = fused_group(wl.post_norm(M, K, N, "float16", norm, linear=True), target)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rnd = lambda *s: torch.randn(*s, device="cuda", dtype=torch.float16, generator=g)  # noqa: E731
+    args = dict(zip(["x", "w", "b", "r", "gamma", "beta"], [rnd(M, K), rnd(N, K) / K**0.5, rnd(N), rnd(M, N), rnd(N), rnd(N)]))
+    ref = wl.post_norm_reference([a.float().cpu().numpy() for a in args.values()], norm, linear=True)[0]
+    rows = []
+    for cfg, sch in GemmRowTile().scheduled(tvm.s_tir.Schedule(func), target, limit):
+        row = {"config": {k: v for k, v in vars(cfg).items()}, "kind": type(cfg).__name__}
+        try:
+            out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.float16)
+            kernel = build_kernel(sch, target)["main"]
+            tvm_args = [tvm.runtime.from_dlpack(args.get(p.name, out)) for p in func.params]
+            kernel(*tvm_args)
+            row["max_abs_err"] = float((out.float().cpu().double() - torch.from_numpy(ref)).abs().max())
+            row["us"] = _median_us(torch, lambda: kernel(*tvm_args))
+        except Exception as err:  # pylint: disable=broad-except
+            row["error"] = str(err).strip().splitlines()[-1][:200] if str(err).strip() else type(err).__name__
+        log(f"{M}x{K}x{N} {norm} {cfg}: " + (f"err {row['max_abs_err']:.3g}, {row['us']:.1f} us" if "us" in row else row["error"]))
+        rows.append(row)
+    return rows
+
+
+def _median_us(torch, fn, iters: int = 50, reps: int = 11) -> float:
+    """Median over ``reps`` of the mean CUDA-event time of ``iters`` back-to-back calls (µs)."""
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / iters * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("M", type=int)
     parser.add_argument("K", type=int)
     parser.add_argument("N", type=int)
     parser.add_argument("--arch", default="sm_90")
+    parser.add_argument("--gpu", action="store_true", help="run and time every configuration on this machine's GPU")
+    parser.add_argument("--norm", default="layer_norm", help="with --gpu: the post-norm variant")
+    parser.add_argument("--limit", type=int, help="only the first LIMIT configurations (defaults first)")
+    parser.add_argument("--json", help="with --gpu: write the rows here")
     args = parser.parse_args(argv)
     start = time.perf_counter()
+    if args.gpu:
+        rows = time_space(args.M, args.K, args.N, args.norm, args.limit)
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump({"M": args.M, "K": args.K, "N": args.N, "norm": args.norm, "rows": rows}, f, indent=1)
+        good = [r for r in rows if "us" in r and r["max_abs_err"] <= 5e-2]
+        best = min(good, key=lambda r: r["us"]) if good else None
+        print(f"{len(rows)} configurations, {len(good)} correct; best {best['us']:.1f} us {best['config']}" if best else "none correct")
+        return 0 if len(good) == len(rows) else 1
     results = build_space(args.M, args.K, args.N, args.arch)
     for cfg, err in results:
         print(f"{'ok  ' if err is None else 'FAIL'} {cfg}" + (f": {err}" if err else ""))
