@@ -25,7 +25,7 @@ SMEM_STATIC_BYTES = 48 * 1024
 
 
 #: Shared memory a cluster-split kernel takes beyond its operand ring and tiles (bytes).
-CLUSTER_SMEM_MARGIN = 16 * 1024
+CLUSTER_SMEM_MARGIN = 20 * 1024
 #: Portable thread-block cluster sizes (CTAs sharing a row when it is split).
 CLUSTER_SIZES = (2, 4, 8)
 
