@@ -108,3 +108,42 @@ def test_batched_rows_take_the_2d_kernel(dtype, norm, B, S, residual_out):
         flat = wl.post_norm(B * S, 256, 768, dtype, norm, linear=True)
         assert source == codegen.cuda_source(runtime.compile_module(flat, {"kind": "cuda", "arch": "sm_90"}))
     codegen.compile_with_nvcc(source, "sm_90")
+
+
+@pytest.mark.parametrize("norm, residual_out", [("layer_norm", False), ("softmax", False), ("layer_norm_decomposed", True)])
+def test_cluster_split_compiles_and_exchanges_statistics_on_chip(norm, residual_out):
+    """A row split over a 4-CTA cluster: one kernel launched with clusters, each row reduction
+    rfactored per column slice and its partials pushed through distributed shared memory
+    (two exchanges for LayerNorm's mean and variance), no HBM workspace; nvcc accepts it."""
+    import tvm  # pylint: disable=import-outside-toplevel
+
+    from tvm_comfuse.schedule.config import MmaConfig  # pylint: disable=import-outside-toplevel
+    from tvm_comfuse.schedule.gemm_reduce import GemmRowTile, _schedule  # pylint: disable=import-outside-toplevel
+    from tvm_comfuse.schedule.space_check import build_kernel, fused_group  # pylint: disable=import-outside-toplevel
+
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
+    func = fused_group(wl.post_norm(512, 256, 768, "float16", norm, linear=True, residual_out=residual_out), target)
+    cfg = MmaConfig(bm=128, bk=32, warps_m=2, warps_n=4, stages=3, splits=4)
+    assert cfg in GemmRowTile().configs(tvm.s_tir.Schedule(func), target)  # offered to the tuner
+    source = codegen.cuda_source(build_kernel(_schedule(tvm.s_tir.Schedule(func), cfg), target))
+    (kernel,) = [k for k in source.split('extern "C" __global__')[1:] if "{" in k]
+    assert kernel.startswith(" void __cluster_dims__(4, 1, 1)")
+    exchanges = kernel.count("comfuse_cluster_allgather_")  # fp32 partials, fp16 for the decomposed fp16 mean
+    assert exchanges == (1 if norm == "rms_norm" else 2), exchanges
+    assert "st.shared::cluster" in source and "mapa.shared::cluster" in source
+    assert codegen.compile_with_nvcc(source, "sm_90")[:4] == b"\x7fELF"
+
+
+def test_cluster_split_needs_whole_row_tiles():
+    """M not a multiple of the row tile (or symbolic): no cluster configuration is offered."""
+    import tvm  # pylint: disable=import-outside-toplevel
+
+    from tvm_comfuse.schedule.gemm_reduce import GemmRowTile  # pylint: disable=import-outside-toplevel
+    from tvm_comfuse.schedule.space_check import fused_group  # pylint: disable=import-outside-toplevel
+
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
+    for M, split in ((1000, False), (1024, True)):
+        func = fused_group(wl.post_norm(M, 256, 768, "float16", "layer_norm", linear=True), target)
+        configs = GemmRowTile().configs(tvm.s_tir.Schedule(func), target)
+        assert any(c.splits > 1 for c in configs) == split, M
+        assert all(M % c.bm == 0 for c in configs if c.splits > 1)

@@ -43,7 +43,7 @@ __forceinline__ __device__ void {name}({ctype}* dst, {ctype}* src) {{
     const int rank = i / {count}, j = i % {count};
     const {ctype} v = src[j];
     unsigned int remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(base + j * {T_bytes(dtype)}), "r"(rank));
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(base + j * {_bytes(dtype)}), "r"(rank));
     asm volatile("st.shared::cluster.{ptx} [%0], %1;" :: "r"(remote), "{reg}"({value}) : "memory");
   }}
   asm volatile("barrier.cluster.arrive.release.aligned;\\n\\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
@@ -51,7 +51,7 @@ __forceinline__ __device__ void {name}({ctype}* dst, {ctype}* src) {{
 """
 
 
-def T_bytes(dtype: str) -> int:  # pylint: disable=invalid-name
+def _bytes(dtype: str) -> int:
     return 4 if dtype == "float32" else 2
 
 

@@ -143,12 +143,7 @@ def _drop_unit_axes(sch: s_tir.Schedule, gather) -> None:
     producer = sch.get_producers(gather)[0]
     sch.transform_layout(producer, ("write", 0), drop, assume_injective_transform=True)
     sch.transform_layout(gather, ("write", 0), drop, assume_injective_transform=True)
-    loops = _loops_of(sch, gather)
-    sch.fuse(*loops[-(len(shape) - 1):])
-
-
-def _loops_of(sch: s_tir.Schedule, rv) -> list:
-    return list(sch.get_loops(rv))
+    sch.fuse(*sch.get_loops(gather)[-(len(shape) - 1):])
 
 
 def _bind_rows(sch: s_tir.Schedule, rv, loops, ivs, warps: int) -> None:
