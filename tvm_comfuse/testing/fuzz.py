@@ -372,11 +372,9 @@ def _rule_scheduled(mod, target) -> list:
             if isinstance(f, tvm.tirx.PrimFunc) and rule.apply(f, target, False) is not None]
 
 
-def _kernels_of(executable, groups) -> list:
-    """The fused groups whose function became a CUDA kernel of its own (GPU targets)."""
-    from .. import codegen  # pylint: disable=import-outside-toplevel
-
-    names = codegen.kernel_names(codegen.cuda_source(executable))
+def _kernels_of(names, groups) -> list:
+    """The fused groups whose function became a CUDA kernel of its own (GPU targets), from the
+    kernel names of the ComFuse build."""
     return [g.name for g in groups if g.fused and any(k.startswith(g.name + "_kernel") for k in names)]
 
 
@@ -420,7 +418,11 @@ def build_both(case: Case, target: str = "llvm") -> dict:
         except Exception as e:  # pylint: disable=broad-except
             out[name] = _error(e)
     if target != "llvm" and not isinstance(out["comfuse"], str):
+        from .. import codegen  # pylint: disable=import-outside-toplevel
+
         out["rule"] = _rule_scheduled(mod, _target(target))
+        # read here: a CUDA module exported by a worker and loaded back has no source to read
+        out["kernel_names"] = codegen.kernel_names(codegen.cuda_source(out["comfuse"]))
     return out
 
 
@@ -439,7 +441,7 @@ def check(case: Case, target: str = "llvm", built: dict | None = None) -> dict:
         if isinstance(built["comfuse"], str):
             raise RuntimeError(built["comfuse"])
         if target != "llvm":
-            rec["kernels"] = _kernels_of(built["comfuse"], groups)
+            rec["kernels"] = _kernels_of(built["kernel_names"], groups)
             rec["rule"] = built["rule"]
         args = inputs(case)
         ref = [r.reshape(-1) for r in reference(case, args)]
