@@ -97,7 +97,11 @@ def _tvm_callable(torch, mod, args, comfuse: bool, target, database=None):
     vm = tvm.relax.VirtualMachine(ex, tvm.cuda(0))
     tvm_args = [tvm.runtime.from_dlpack(a) for a in args]
     f = vm["main"]
-    return lambda: f(*tvm_args), lambda: torch.from_dlpack(f(*tvm_args))
+
+    def first(out):  # an imported model returns a one-element tuple
+        return out[0] if isinstance(out, (tvm.ir.Array, list, tuple)) else out
+
+    return lambda: f(*tvm_args), lambda: torch.from_dlpack(first(f(*tvm_args)))
 
 
 def _contenders(torch, shape, norm, dtype, args, which, target):
