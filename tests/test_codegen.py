@@ -147,3 +147,25 @@ def test_cluster_split_needs_whole_row_tiles():
         configs = GemmRowTile().configs(tvm.s_tir.Schedule(func), target)
         assert any(c.splits > 1 for c in configs) == split, M
         assert all(M % c.bm == 0 for c in configs if c.splits > 1)
+
+
+def test_vectorised_epilogue_is_offered_and_compiles():
+    """``epilogue_vec=4``: the epilogue's global and shared accesses become 4-wide vectors in
+    an unrolled per-thread loop (a tunable of the rule's space); the kernel still compiles."""
+    import tvm  # pylint: disable=import-outside-toplevel
+
+    from tvm_comfuse.schedule.config import MmaConfig  # pylint: disable=import-outside-toplevel
+    from tvm_comfuse.schedule.gemm_reduce import GemmRowTile, _schedule  # pylint: disable=import-outside-toplevel
+    from tvm_comfuse.schedule.space_check import build_kernel, fused_group  # pylint: disable=import-outside-toplevel
+
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
+    # M a multiple of the row tile: TVM scalarises a vector loop under the last tile's row predicate
+    func = fused_group(wl.post_norm(1024, 256, 768, "float16", "layer_norm", linear=True, residual_out=True), target)
+    plain = MmaConfig(bm=32, bk=32, warps_m=2, warps_n=8, stages=2)
+    vec = MmaConfig(bm=32, bk=32, warps_m=2, warps_n=8, stages=2, epilogue_vec=4)
+    assert vec in GemmRowTile().configs(tvm.s_tir.Schedule(func), target)
+    sources = {c: codegen.cuda_source(build_kernel(_schedule(tvm.s_tir.Schedule(func), c), target)) for c in (plain, vec)}
+    for source, vectorised in ((sources[plain], False), (sources[vec], True)):
+        assert ("*(half4*)(r_ptr" in source) == vectorised  # the residual
+        assert ("*(float4*)(((float*)buf_dyn_shmem_ptr)" in source) == vectorised  # the fp32 C tile
+    assert codegen.compile_with_nvcc(sources[vec], "sm_90")[:4] == b"\x7fELF"

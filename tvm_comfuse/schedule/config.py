@@ -54,6 +54,7 @@ class MmaConfig:
     stages: int = 3
     vec: int = 8  # fp16 elements per cp.async (16 bytes)
     splits: int = 1  # CTAs (one cluster) sharing each row, each a ``n // splits`` column slice
+    epilogue_vec: int = 1  # columns per thread and vector access in the epilogue's spatial blocks
 
     @property
     def warps(self) -> int:
@@ -129,6 +130,10 @@ SPACES = {
     MmaConfig: [
         MmaConfig(bm=bm, bk=bk, warps_m=wm, warps_n=wn, stages=st)
         for bm, bk, wm, wn, st in itertools.product((32, 16, 64), (32, 64), (1, 2), (8, 4), (3, 2, 4))
+    ]
+    + [  # the whole-row configurations with a vectorised, unrolled epilogue (unmeasured yet)
+        MmaConfig(bm=bm, bk=32, warps_m=wm, warps_n=wn, stages=st, epilogue_vec=4)
+        for bm, wm, wn, st in itertools.product((32, 16), (1, 2), (8, 4), (2, 3))
     ]
     + [
         MmaConfig(bm=bm, bk=bk, warps_m=wm, warps_n=wn, stages=st, splits=sp)

@@ -176,7 +176,7 @@ def _schedule(sch: s_tir.Schedule, cfg) -> s_tir.Schedule:
     if isinstance(cfg, MmaConfig):
         bx, cta, c_tile = schedule_mma_mainloop(sch, g.mainloop, n, cfg)
         writeback = _inline_epilogue(sch, c_tile, tile)
-        bind_spatial(sch, writeback, cta, cfg.warps)
+        bind_spatial(sch, writeback, cta, cfg.warps, cfg.epilogue_vec)
         scope = "shared.dyn"
     else:
         bx, writeback = schedule_simt_mainloop(sch, g.mainloop, cfg)
@@ -190,7 +190,7 @@ def _schedule(sch: s_tir.Schedule, cfg) -> s_tir.Schedule:
     if splits > 1:
         schedule_cluster_row_epilogue(sch, bx, rest, combines, outputs, cfg)
     else:
-        schedule_row_epilogue(sch, bx, rest, outputs, cfg.warps)
+        schedule_row_epilogue(sch, bx, rest, outputs, cfg.warps, getattr(cfg, "epilogue_vec", 1))
         tile_symbolic_rows(sch, cfg.bm)
     return sch
 

@@ -35,22 +35,50 @@ def _bind_reduction(sch: s_tir.Schedule, rv, bx, warps: int) -> None:
     sch.bind(tx, "threadIdx.x")
 
 
-def bind_spatial(sch: s_tir.Schedule, rv, bx, warps: int) -> None:
+def bind_spatial(sch: s_tir.Schedule, rv, bx, warps: int, vec: int = 1) -> None:
     """Spread a spatial block under ``bx`` over the CTA's ``warps x 32`` threads."""
     loops = _loops_below(sch, rv, bx)
-    fused = sch.fuse(*loops) if loops else sch.add_unit_loop(rv)
-    _, ty, tx = sch.split(fused, [None, warps, 32])
+    _spread(sch, rv, loops, warps, vec)
+
+
+def _spread(sch: s_tir.Schedule, rv, loops: list, warps: int, vec: int = 1) -> None:
+    """Fuse ``loops`` (rows x columns of block ``rv``) and spread them over the CTA's threads.
+    With ``vec > 1``, ``vec`` consecutive columns per thread as one vector access (when the row
+    width and the extent allow) and the per-thread loop unrolled.
+
+    Why: these blocks read the residual, bias and LayerNorm weights from global memory; one
+    scalar load per iteration of a rolled loop leaves one load in flight per thread. Vector
+    accesses and an unrolled loop let nvcc keep several in flight (and, at 4096x768x768, cut
+    the kernel from 128 to 86 registers per thread). Measured on the H200, the cluster-split
+    kernel without its exchange ran no faster than whole rows, which points at the epilogue
+    rather than the mainloop (notebooks/results/NOTES.md); ``vec`` is a tunable until the
+    GPU measures it."""
+    if not loops:
+        loops = [sch.add_unit_loop(rv)]
+    width = sch.get(loops[-1]).extent
+    fused = sch.fuse(*loops) if len(loops) > 1 else loops[0]
+    extent = sch.get(fused).extent
+    static = isinstance(extent, tirx.IntImm) and isinstance(width, tirx.IntImm)
+    if vec > 1 and static and int(width) % vec == 0 and int(extent) % (warps * 32 * vec) == 0:
+        outer, ty, tx, lanes = sch.split(fused, [None, warps, 32, vec])
+        sch.vectorize(lanes)
+        sch.unroll(outer)
+    else:
+        outer, ty, tx = sch.split(fused, [None, warps, 32])
     sch.bind(ty, "threadIdx.y")
     sch.bind(tx, "threadIdx.x")
 
 
-def schedule_row_epilogue(sch: s_tir.Schedule, bx, blocks: list, outputs: set, warps: int) -> None:
+def schedule_row_epilogue(sch: s_tir.Schedule, bx, blocks: list, outputs: set, warps: int, vec: int = 1) -> None:
     """Move ``blocks`` (program order) under ``bx`` and bind them to the CTA's threads."""
     for rv in blocks:
         sch.reverse_compute_at(rv, bx, preserve_unit_loops=True)
         if not writes_output(sch, rv, outputs):
             sch.set_scope(rv, 0, "shared")
-        (_bind_reduction if is_reduction(sch, rv) else bind_spatial)(sch, rv, bx, warps)
+        if is_reduction(sch, rv):
+            _bind_reduction(sch, rv, bx, warps)
+        else:
+            bind_spatial(sch, rv, bx, warps, vec)
 
 
 # -- rows split over a thread-block cluster -------------------------------------------------
@@ -124,9 +152,7 @@ def schedule_cluster_row_epilogue(sch: s_tir.Schedule, bx, blocks: list, combine
             cols_o, cols_i = sch.split(loops[-1], [cfg.splits, None])
             sch.reorder(cols_o, *loops[:-1], cols_i)
             sch.bind(cols_o, "blockIdx.x")
-            _, ty, tx = sch.split(sch.fuse(*loops[:-1], cols_i), [None, cfg.warps, 32])
-            sch.bind(ty, "threadIdx.y")
-            sch.bind(tx, "threadIdx.x")
+            _spread(sch, rv, [*loops[:-1], cols_i], cfg.warps, cfg.epilogue_vec)
         else:  # per-row values: every CTA of the cluster computes them for its rows
             bind_spatial(sch, rv, bx, cfg.warps)
 
