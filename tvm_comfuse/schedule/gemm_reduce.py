@@ -116,14 +116,20 @@ class GemmRowTile(ScheduleRule):
         g = read_blocks(sch)
         if g is None or not _row_layout_kept(sch, g):
             return []
-        flatten_batch_rows(sch, g)
+        batch_rows = flatten_batch_rows(sch, g)
         n = _static_width(sch, g.mainloop)
         if n is None or not _rows_supported(sch, g.mainloop):
             return []
         arch = str(target.attrs.get("arch", ""))
         if _tensor_core_eligible(sch, g, n, arch):
-            return mma_candidates(arch, n, sch.get(g.mainloop).iter_vars[0].dom.extent)
-        return candidates(RowTileConfig, arch, n, _operand_bytes(sch, g.mainloop))
+            found = mma_candidates(arch, n, sch.get(g.mainloop).iter_vars[0].dom.extent)
+        else:
+            found = candidates(RowTileConfig, arch, n, _operand_bytes(sch, g.mainloop))
+        # 3-D rows: a row tile must not straddle two sequences. TVM bounds the region of a
+        # block that reads ``[b, s]`` through ``r -> (r // S, r % S)`` by whole sequences, so a
+        # thread block would also write its neighbours' rows (a race: wrong results on the
+        # H200, GPU fuzz seed 78, S = 17); such groups go to DLight, correct and slower.
+        return [c for c in found if batch_rows is None or batch_rows[1] % c.bm == 0]
 
     def scheduled(self, sch: s_tir.Schedule, target, limit: int | None = None) -> list:
         """``[(configuration, schedule)]`` for the first ``limit`` configurations that fit,
@@ -168,6 +174,7 @@ def _schedule(sch: s_tir.Schedule, cfg) -> s_tir.Schedule:
             # reductions and write the output with a copy block, never read it back
             copies.append(sch.cache_write(tile, 0, "shared", consumer_blocks=rest))
             rest.insert(0, copies[-1])
+    rest = _keep_outputs_on_chip(sch, rest, outputs, copies)
     if rows is not None:
         flatten_row_buffers(sch, rows, copies)
     splits = getattr(cfg, "splits", 1)
@@ -200,6 +207,29 @@ def mma_candidates(arch: str, n: int, rows) -> list:
     cluster needs whole row tiles, so only a static ``rows``, a multiple of ``bm``, gets one."""
     static = rows if isinstance(rows, int) else int(rows) if isinstance(rows, tirx.IntImm) else None
     return [c for c in candidates(MmaConfig, arch, n) if c.splits == 1 or static is not None and static % c.bm == 0]
+
+
+def _keep_outputs_on_chip(sch: s_tir.Schedule, rest: list, outputs: set, copies: list) -> list:
+    """A later epilogue block that writes an output the group also reads on (a value the
+    model keeps, then scales) computes into shared memory; a copy block writes the output and
+    the readers read the shared copy.
+
+    Why: read back from global memory, the value would need a grid-wide barrier between the
+    threads that write and read it, and with 3-D rows (``r -> (r // S, r % S) -> r``) the
+    reader's region is a bounding box of whole ``S``-row batches, so a thread block also
+    recomputed rows of its neighbours from data it does not hold (wrong results on the H200
+    when S is not a multiple of the row tile: GPU fuzz seed 78)."""
+    out = []
+    for i, rv in enumerate(rest):
+        out.append(rv)
+        if not writes_output(sch, rv, outputs) or is_reduction(sch, rv):
+            continue
+        written = sch.get(rv).writes[0].source
+        readers = [c for c in rest[i + 1 :] if any(r.source.same_as(written) for r in sch.get(c).reads)]
+        if readers:
+            copies.append(sch.cache_write(rv, 0, "shared", consumer_blocks=readers))
+            out.append(copies[-1])
+    return out
 
 
 def _operand_bytes(sch: s_tir.Schedule, mm) -> int:
