@@ -27,8 +27,8 @@ from ..graph.group import GEMM_REDUCE
 from ..target import is_gpu
 from ..transform.fuse_compute_memory import KIND_ATTR
 from .blocks import (
-    copied_buffer, flatten_batch_rows, flatten_row_buffers, inline_all, is_reduction, output_buffers, read_blocks,
-    tile_symbolic_rows, writes_output,
+    _written_buffers, copied_buffer, flatten_batch_rows, flatten_row_buffers, inline_all, is_reduction, output_buffers,
+    read_blocks, tile_symbolic_rows, writes_output,
 )
 from .config import MmaConfig, RowTileConfig, candidates, default
 from .mma_mainloop import gemm_maps, schedule_mma_mainloop
@@ -116,7 +116,7 @@ class GemmRowTile(ScheduleRule):
         g = read_blocks(sch)
         if g is None or not _row_layout_kept(sch, g):
             return []
-        batch_rows = flatten_batch_rows(sch, g)
+        flatten_batch_rows(sch, g)
         n = _static_width(sch, g.mainloop)
         if n is None or not _rows_supported(sch, g.mainloop):
             return []
@@ -125,11 +125,7 @@ class GemmRowTile(ScheduleRule):
             found = mma_candidates(arch, n, sch.get(g.mainloop).iter_vars[0].dom.extent)
         else:
             found = candidates(RowTileConfig, arch, n, _operand_bytes(sch, g.mainloop))
-        # 3-D rows: a row tile must not straddle two sequences. TVM bounds the region of a
-        # block that reads ``[b, s]`` through ``r -> (r // S, r % S)`` by whole sequences, so a
-        # thread block would also write its neighbours' rows (a race: wrong results on the
-        # H200, GPU fuzz seed 78, S = 17); such groups go to DLight, correct and slower.
-        return [c for c in found if batch_rows is None or batch_rows[1] % c.bm == 0]
+        return found
 
     def scheduled(self, sch: s_tir.Schedule, target, limit: int | None = None) -> list:
         """``[(configuration, schedule)]`` for the first ``limit`` configurations that fit,
@@ -199,7 +195,28 @@ def _schedule(sch: s_tir.Schedule, cfg) -> s_tir.Schedule:
     else:
         schedule_row_epilogue(sch, bx, rest, outputs, cfg.warps, getattr(cfg, "epilogue_vec", 1))
         tile_symbolic_rows(sch, cfg.bm)
+    _check_row_tiles(sch)
     return sch
+
+
+def _check_row_tiles(sch: s_tir.Schedule) -> None:
+    """Raise ValueError if, with static shapes, a block writing an output has a loop whose
+    extent depends on the thread block.
+
+    Why: that is TVM bounding a block's region by more than the block's row tile. With 3-D
+    rows read through ``r -> (r // S, r % S)`` (a kept output, a ``keepdims`` statistic) it
+    bounds them by whole sequences, so a thread block also wrote rows of its neighbours from
+    data it does not hold: a race, wrong results on the H200 (GPU fuzz seed 78, S = 17). The
+    configuration is then not used (DLight schedules the group if none is left)."""
+    params = output_buffers(sch.mod["main"])
+    if any(not isinstance(d, tirx.IntImm) for p in params for d in p.shape):
+        return  # a symbolic M: extents legitimately depend on the row tile
+    for block, _, buf in _written_buffers(sch):
+        if buf not in params:
+            continue  # an on-chip copy that over-fetches (x rows of whole sequences) only reads
+        for loop in sch.get_loops(block):
+            if not isinstance(sch.get(loop).extent, tirx.IntImm):
+                raise ValueError(f"block {sch.get(block).name_hint} iterates beyond its row tile")
 
 
 def mma_candidates(arch: str, n: int, rows) -> list:
