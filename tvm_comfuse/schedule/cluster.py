@@ -59,9 +59,14 @@ def allgather(dtype: str, count: int, ranks: int) -> str:
     """The name of the registered ``allgather`` intrinsic for ``count`` partials of ``dtype``
     per CTA over ``ranks`` CTAs (registered on first use)."""
     name = f"comfuse_cluster_allgather_{dtype}_{count}_x{ranks}"
-    if TensorIntrin.get(name, allow_missing=True) is not None:
-        return name
-    source = _source(name, dtype, count, ranks)
+    if TensorIntrin.get(name, allow_missing=True) is None:
+        register(name, dtype, count, _source(name, dtype, count, ranks))
+    return name
+
+
+def register(name: str, dtype: str, count: int, source: str) -> None:
+    """Register ``C[0, :count] = A[0, :count]`` (shared to shared) implemented by a call of the
+    CUDA function ``name(C, A)`` defined in ``source``."""
 
     @T.prim_func(s_tir=True)
     def desc(a: T.handle, c: T.handle) -> None:
@@ -85,4 +90,3 @@ def allgather(dtype: str, count: int, ranks: int) -> str:
             T.evaluate(T.cuda.func_call(name, C.access_ptr("w"), A.access_ptr("r"), source_code=source))
 
     TensorIntrin.register(name, desc, impl)
-    return name

@@ -29,24 +29,10 @@ def _variant(mode):
     def allgather(dtype, count, ranks):
         name = f"comfuse_cluster_allgather_{mode}_{dtype}_{count}_x{ranks}" + ("_off" if mode == "none" else "")
         if tvm.s_tir.TensorIntrin.get(name, allow_missing=True) is None:
-            real = _register(dtype, count, ranks)
-            desc = tvm.s_tir.TensorIntrin.get(real).desc
             body = "" if mode == "none" else (
                 '  asm volatile("barrier.cluster.arrive.aligned;\\n\\tbarrier.cluster.wait.aligned;" ::: "memory");\n' * 2)
             ctype = "float" if dtype == "float32" else "half"
-            src = f"__forceinline__ __device__ void {name}({ctype}* dst, {ctype}* src) {{\n{body}}}\n"
-            from tvm.script import tirx as T  # pylint: disable=import-outside-toplevel
-
-            @T.prim_func(s_tir=True)
-            def impl(a: T.handle, c: T.handle) -> None:
-                A = T.match_buffer(a, (1, count), dtype, scope="shared", offset_factor=1)
-                C = T.match_buffer(c, (1, count), dtype, scope="shared", offset_factor=1)
-                with T.sblock("root"):
-                    T.reads(A[0, 0:count])
-                    T.writes(C[0, 0:count])
-                    T.evaluate(T.cuda.func_call(name, C.access_ptr("w"), A.access_ptr("r"), source_code=src))
-
-            tvm.s_tir.TensorIntrin.register(name, desc, impl)
+            cluster.register(name, dtype, count, f"__forceinline__ __device__ void {name}({ctype}* dst, {ctype}* src) {{\n{body}}}\n")
         return name
 
     return allgather
