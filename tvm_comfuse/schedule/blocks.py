@@ -90,14 +90,14 @@ def tile_symbolic_rows(sch: s_tir.Schedule, bm: int) -> None:
     transform is declared injective instead of padded.
     """
 
-    for block, index, buf in _written_buffers(sch):
+    for block, index, buf in written_buffers(sch):
         if buf.scope().startswith("shared") and not isinstance(buf.shape[0], tirx.IntImm):
             sch.transform_layout(
                 block, ("write", index), lambda *ix: (ix[0] // bm, ix[0] % bm, *ix[1:]), assume_injective_transform=True
             )
 
 
-def _written_buffers(sch: s_tir.Schedule, parent=None, done=None):
+def written_buffers(sch: s_tir.Schedule, parent=None, done=None):
     """``(block, write index, buffer)`` for each buffer, at the first block (depth first, in
     program order) that writes it: where a layout transform of that buffer is applied."""
     done = set() if done is None else done
@@ -106,7 +106,7 @@ def _written_buffers(sch: s_tir.Schedule, parent=None, done=None):
             if region.source.name not in done:
                 done.add(region.source.name)
                 yield child, i, region.source
-        yield from _written_buffers(sch, child, done)
+        yield from written_buffers(sch, child, done)
 
 
 def uses_var(expr, var) -> bool:
@@ -155,7 +155,7 @@ def flatten_row_buffers(sch: s_tir.Schedule, rows: tuple, blocks: list = ()) -> 
     parameters, and so the function's signature, keep their shapes."""
     _flatten_iterations(sch, blocks, rows)
     params = output_buffers(sch.mod["main"])
-    for block, index, buf in _written_buffers(sch):
+    for block, index, buf in written_buffers(sch):
         if buf not in params and _static(buf.shape[:2]) == list(rows):
             sch.transform_layout(block, ("write", index), _fuse_rows(rows[1], len(buf.shape)))
 

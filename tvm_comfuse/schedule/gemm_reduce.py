@@ -27,8 +27,8 @@ from ..graph.group import GEMM_REDUCE
 from ..target import is_gpu
 from ..transform.fuse_compute_memory import KIND_ATTR
 from .blocks import (
-    _written_buffers, copied_buffer, flatten_batch_rows, flatten_row_buffers, inline_all, is_reduction, output_buffers,
-    read_blocks, tile_symbolic_rows, writes_output,
+    copied_buffer, flatten_batch_rows, flatten_row_buffers, inline_all, is_reduction, output_buffers, read_blocks,
+    tile_symbolic_rows, writes_output, written_buffers,
 )
 from .config import MmaConfig, RowTileConfig, candidates, default
 from .mma_mainloop import gemm_maps, schedule_mma_mainloop
@@ -122,10 +122,8 @@ class GemmRowTile(ScheduleRule):
             return []
         arch = str(target.attrs.get("arch", ""))
         if _tensor_core_eligible(sch, g, n, arch):
-            found = mma_candidates(arch, n, sch.get(g.mainloop).iter_vars[0].dom.extent)
-        else:
-            found = candidates(RowTileConfig, arch, n, _operand_bytes(sch, g.mainloop))
-        return found
+            return mma_candidates(arch, n, sch.get(g.mainloop).iter_vars[0].dom.extent)
+        return candidates(RowTileConfig, arch, n, _operand_bytes(sch, g.mainloop))
 
     def scheduled(self, sch: s_tir.Schedule, target, limit: int | None = None) -> list:
         """``[(configuration, schedule)]`` for the first ``limit`` configurations that fit,
@@ -211,7 +209,7 @@ def _check_row_tiles(sch: s_tir.Schedule) -> None:
     params = output_buffers(sch.mod["main"])
     if any(not isinstance(d, tirx.IntImm) for p in params for d in p.shape):
         return  # a symbolic M: extents legitimately depend on the row tile
-    for block, _, buf in _written_buffers(sch):
+    for block, _, buf in written_buffers(sch):
         if buf not in params:
             continue  # an on-chip copy that over-fetches (x rows of whole sequences) only reads
         for loop in sch.get_loops(block):

@@ -26,8 +26,13 @@ def _loops_below(sch: s_tir.Schedule, rv, bx) -> list:
 def _bind_reduction(sch: s_tir.Schedule, rv, bx, warps: int) -> None:
     loops = _loops_below(sch, rv, bx)
     n_spatial = sum(1 for iv in sch.get(rv).iter_vars if iv.iter_type == 0)
-    rows = sch.fuse(*loops[:n_spatial]) if n_spatial else sch.add_unit_loop(rv)
-    red = sch.fuse(*loops[n_spatial:])
+    _rows_over_warps(sch, rv, loops[:n_spatial], loops[n_spatial:], warps)
+
+
+def _rows_over_warps(sch: s_tir.Schedule, rv, row_loops: list, red_loops: list, warps: int) -> None:
+    """A row reduction: rows over the warps, the reduced axis over the 32 lanes (shuffles)."""
+    rows = sch.fuse(*row_loops) if row_loops else sch.add_unit_loop(rv)
+    red = sch.fuse(*red_loops)
     rs, ty = sch.split(rows, [None, warps])
     ro, tx = sch.split(red, [None, 32])
     sch.reorder(rs, ty, tx, ro)
@@ -142,12 +147,7 @@ def schedule_cluster_row_epilogue(sch: s_tir.Schedule, bx, blocks: list, combine
             rest = [loop for i, loop in enumerate(loops) if i != slice_]
             sch.reorder(loops[slice_], *rest)
             sch.bind(loops[slice_], "blockIdx.x")
-            rows, red = sch.fuse(*rest[:-1]), rest[-1]
-            rs, ty = sch.split(rows, [None, cfg.warps])
-            ro, tx = sch.split(red, [None, 32])
-            sch.reorder(rs, ty, tx, ro)
-            sch.bind(ty, "threadIdx.y")
-            sch.bind(tx, "threadIdx.x")
+            _rows_over_warps(sch, rv, rest[:-1], rest[-1:], cfg.warps)
         elif len(loops) >= 2 and int(ivs[-1].dom.extent) % cfg.splits == 0:  # rows x columns
             cols_o, cols_i = sch.split(loops[-1], [cfg.splits, None])
             sch.reorder(cols_o, *loops[:-1], cols_i)
