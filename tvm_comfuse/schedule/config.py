@@ -75,11 +75,12 @@ class MmaConfig:
         """
         bn = self.bn(n)
         ring = self.stages * (self.bm + bn) * self.bk * 2
-        if self.splits > 1:  # + the static exchange buffers and allocation padding: measured
-            # 224 KiB of dynamic smem (over the limit with the static buffers) where the terms below
-            # give 212 KiB (bm=128, bk=64, N/4=256) and 197 KiB (bm=64, bk=32, N/8=512) on the H200
-            return max(ring, self.bm * bn * 4) + self.bm * bn * tile_bytes + CLUSTER_SMEM_MARGIN
-        return max(ring, self.bm * bn * 4) + self.bm * n * tile_bytes
+        # a split CTA holds its slice of the row tile, plus the static exchange buffers and
+        # allocation padding: measured 224 KiB of dynamic smem (over the limit with the static
+        # buffers) where the other terms give 212 KiB (bm=128, bk=64, N/4=256) and 197 KiB
+        # (bm=64, bk=32, N/8=512) on the H200
+        split = self.splits > 1
+        return max(ring, self.bm * bn * 4) + self.bm * (bn if split else n) * tile_bytes + split * CLUSTER_SMEM_MARGIN
 
     def acc_regs(self, n: int) -> int:
         """fp32 accumulator registers per thread."""

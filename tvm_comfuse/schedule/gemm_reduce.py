@@ -162,13 +162,12 @@ def _schedule(sch: s_tir.Schedule, cfg) -> s_tir.Schedule:
     copies = []  # blocks made here that iterate a parameter's shape
     rest = inline_all(sch, g.after, keep=[tile] if tile is not None else [])
     if tile is not None:
+        # a residual the caller also reads: the tile stays in shared memory for the
+        # reductions and a copy block writes the output
         rest = [rv for rv in rest if not sch.get(rv).same_as(sch.get(tile))]
-        if writes_output(sch, tile, outputs):
-            # a residual the caller also reads: keep the tile in shared memory for the
-            # reductions and write the output with a copy block, never read it back
-            copies.append(sch.cache_write(tile, 0, "shared", consumer_blocks=rest))
-            rest.insert(0, copies[-1])
-    rest = _keep_outputs_on_chip(sch, rest, outputs, copies)
+        rest = _keep_outputs_on_chip(sch, [tile, *rest], outputs, copies)[1:]
+    else:
+        rest = _keep_outputs_on_chip(sch, rest, outputs, copies)
     if rows is not None:
         flatten_row_buffers(sch, rows, copies)
     splits = getattr(cfg, "splits", 1)
@@ -225,9 +224,9 @@ def mma_candidates(arch: str, n: int, rows) -> list:
 
 
 def _keep_outputs_on_chip(sch: s_tir.Schedule, rest: list, outputs: set, copies: list) -> list:
-    """A later epilogue block that writes an output the group also reads on (a value the
-    model keeps, then scales) computes into shared memory; a copy block writes the output and
-    the readers read the shared copy.
+    """A block that writes an output later blocks read (the residual sum before a LayerNorm,
+    a value the model keeps and then scales) computes into shared memory; a copy block,
+    placed right after it, writes the output, and the readers read the shared copy.
 
     Why: read back from global memory, the value would need a grid-wide barrier between the
     threads that write and read it, and with 3-D rows (``r -> (r // S, r % S) -> r``) the

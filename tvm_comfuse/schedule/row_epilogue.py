@@ -177,9 +177,7 @@ def _bind_rows(sch: s_tir.Schedule, rv, loops, ivs, warps: int) -> None:
     rows = [loop for loop, iv in zip(loops, ivs) if iv.iter_type == 0]
     red = [loop for loop, iv in zip(loops, ivs) if iv.iter_type != 0]
     sch.reorder(*rows, *red)
-    _, ty, tx = sch.split(sch.fuse(*rows), [None, warps, 32])
-    sch.bind(ty, "threadIdx.y")
-    sch.bind(tx, "threadIdx.x")
+    _spread(sch, rv, rows, warps)
     sch.decompose_reduction(rv, red[0])
 
 

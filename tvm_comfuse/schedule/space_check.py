@@ -15,6 +15,7 @@ to pick the per-architecture defaults in ``schedules/``; ``--json`` writes the r
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 
@@ -75,7 +76,7 @@ def time_space(M: int, K: int, N: int, norm: str = "layer_norm", limit: int | No
     ref = wl.post_norm_reference([a.float().cpu().numpy() for a in args.values()], norm, linear=True)[0]
     rows = []
     for cfg, sch in GemmRowTile().scheduled(tvm.s_tir.Schedule(func), target, limit):
-        row = {"config": {k: v for k, v in vars(cfg).items()}, "kind": type(cfg).__name__}
+        row = {"config": dataclasses.asdict(cfg), "kind": type(cfg).__name__}
         try:
             out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.float16)
             kernel = build_kernel(sch, target)["main"]
@@ -122,7 +123,10 @@ def main(argv=None) -> int:
         rows = time_space(args.M, args.K, args.N, args.norm, args.limit)
         if args.json:
             with open(args.json, "w", encoding="utf-8") as f:
-                json.dump({"M": args.M, "K": args.K, "N": args.N, "norm": args.norm, "rows": rows}, f, indent=1)
+                from ..bench import environment  # pylint: disable=import-outside-toplevel
+
+                json.dump({"environment": environment(), "M": args.M, "K": args.K, "N": args.N, "norm": args.norm,
+                           "rows": rows}, f, indent=1)
         good = [r for r in rows if "us" in r and r["max_abs_err"] <= 5e-2]
         best = min(good, key=lambda r: r["us"]) if good else None
         print(f"{len(rows)} configurations, {len(good)} correct; best {best['us']:.1f} us {best['config']}" if best else "none correct")

@@ -20,7 +20,7 @@ from tvm_comfuse.schedule.gemm_reduce import _schedule
 from tvm_comfuse.schedule.space_check import _median_us, build_kernel, fused_group
 
 M, K, N = (int(v) for v in (sys.argv[1:4] if len(sys.argv) > 3 else (4096, 768, 768)))
-_register = cluster.allgather
+_real_allgather = cluster.allgather
 
 
 def _variant(mode):
@@ -59,7 +59,7 @@ def main():
     ]
     rows = []
     for label, cfg, mode in cases:
-        cluster.allgather = _variant(mode) if mode else _register
+        cluster.allgather = _variant(mode) if mode else _real_allgather
         try:
             kernel = build_kernel(_schedule(tvm.s_tir.Schedule(func), MmaConfig(**cfg)), target)["main"]
             out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.float16)
