@@ -168,4 +168,5 @@ def test_vectorised_epilogue_is_offered_and_compiles():
     for source, vectorised in ((sources[plain], False), (sources[vec], True)):
         assert ("*(half4*)(r_ptr" in source) == vectorised  # the residual
         assert ("*(float4*)(((float*)buf_dyn_shmem_ptr)" in source) == vectorised  # the fp32 C tile
+        assert ("*(half4*)(compute_intermediate" in source) == vectorised  # the normalised output
     assert codegen.compile_with_nvcc(sources[vec], "sm_90")[:4] == b"\x7fELF"

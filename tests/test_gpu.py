@@ -97,15 +97,45 @@ def test_every_configuration_the_tuner_may_pick_is_correct(M, K, N, limit):
     large) must compute the right result, odd M included."""
     import tvm  # pylint: disable=import-outside-toplevel
     from tvm_comfuse.schedule import GemmRowTile  # pylint: disable=import-outside-toplevel
-    from tvm_comfuse.schedule.space_check import build_kernel, fused_group  # pylint: disable=import-outside-toplevel
+    from tvm_comfuse.schedule.space_check import fused_group  # pylint: disable=import-outside-toplevel
 
     target = tvm.target.Target.from_device(tvm.cuda(0))
     func = fused_group(wl.post_norm(M, K, N, "float16", "layer_norm", linear=True), target)
+    scheduled = GemmRowTile().scheduled(tvm.s_tir.Schedule(func), target, limit)
+    assert scheduled
+    _assert_correct(func, scheduled, M, K, N)
+
+
+@pytest.mark.parametrize("M, K, N", [(333, 200, 768), (1024, 256, 768), (64, 64, 1024)])
+def test_vectorised_epilogues_are_correct(M, K, N):
+    """``epilogue_vec`` 4 and 8 (vector accesses, unrolled), whole rows and rows split over a
+    cluster (M a multiple of the row tile), odd M included."""
+    import tvm  # pylint: disable=import-outside-toplevel
+    from tvm_comfuse.schedule.config import MmaConfig  # pylint: disable=import-outside-toplevel
+    from tvm_comfuse.schedule.gemm_reduce import GemmRowTile  # pylint: disable=import-outside-toplevel
+    from tvm_comfuse.schedule.space_check import fused_group  # pylint: disable=import-outside-toplevel
+
+    target = tvm.target.Target.from_device(tvm.cuda(0))
+    func = fused_group(wl.post_norm(M, K, N, "float16", "layer_norm", linear=True), target)
+    whole = dict(bm=32, bk=32, warps_m=2, warps_n=8, stages=2)
+    configs = [MmaConfig(**whole, epilogue_vec=v) for v in (4, 8)]
+    split = MmaConfig(bm=64, bk=32, warps_m=2, warps_n=8, stages=3, splits=2, epilogue_vec=8)
+    if M % split.bm == 0 and split.fits(N, str(target.attrs["arch"])):
+        configs.append(split)
+    scheduled = [(c, GemmRowTile._try(tvm.s_tir.Schedule(func), c)) for c in configs]  # pylint: disable=protected-access
+    assert all(sch is not None for _, sch in scheduled), [c for c, sch in scheduled if sch is None]
+    _assert_correct(func, scheduled, M, K, N)
+
+
+def _assert_correct(func, scheduled, M, K, N):
+    """Run each ``(config, schedule)`` of the post-norm group ``func`` against PyTorch."""
+    import tvm  # pylint: disable=import-outside-toplevel
+    from tvm_comfuse.schedule.space_check import build_kernel  # pylint: disable=import-outside-toplevel
+
+    target = tvm.target.Target.from_device(tvm.cuda(0))
     names = ["x", "w", "b", "r", "gamma", "beta"]
     args = dict(zip(names, _inputs(M, K, N, "float16", linear=True)))
     ref = wl.post_norm_reference([args[n].float().cpu().numpy() for n in names], "layer_norm", linear=True)[0]
-    scheduled = GemmRowTile().scheduled(tvm.s_tir.Schedule(func), target, limit)
-    assert scheduled
     bad = []
     for cfg, sch in scheduled:
         out = torch.empty(M, N, device="cuda", dtype=torch.float16)

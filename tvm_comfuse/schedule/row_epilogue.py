@@ -61,17 +61,20 @@ def _spread(sch: s_tir.Schedule, rv, loops: list, warps: int, vec: int = 1) -> N
     if not loops:
         loops = [sch.add_unit_loop(rv)]
     width = sch.get(loops[-1]).extent
+    lanes = None
+    if vec > 1 and isinstance(width, tirx.IntImm) and int(width) % vec == 0:
+        # the lanes split off the column axis alone, so a lane never changes the row: a row
+        # statistic indexed by ``(f * vec + v) // width`` would stop TVM from vectorising
+        cols, lanes = sch.split(loops[-1], [None, vec])
+        loops = [*loops[:-1], cols]
     fused = sch.fuse(*loops) if len(loops) > 1 else loops[0]
-    extent = sch.get(fused).extent
-    static = isinstance(extent, tirx.IntImm) and isinstance(width, tirx.IntImm)
-    if vec > 1 and static and int(width) % vec == 0 and int(extent) % (warps * 32 * vec) == 0:
-        outer, ty, tx, lanes = sch.split(fused, [None, warps, 32, vec])
-        sch.vectorize(lanes)
-        sch.unroll(outer)
-    else:
-        outer, ty, tx = sch.split(fused, [None, warps, 32])
+    outer, ty, tx = sch.split(fused, [None, warps, 32])
     sch.bind(ty, "threadIdx.y")
     sch.bind(tx, "threadIdx.x")
+    if lanes is not None:
+        sch.vectorize(lanes)
+        if isinstance(sch.get(outer).extent, tirx.IntImm):
+            sch.unroll(outer)
 
 
 def schedule_row_epilogue(sch: s_tir.Schedule, bx, blocks: list, outputs: set, warps: int, vec: int = 1) -> None:

@@ -23,6 +23,7 @@ import tvm
 
 from .. import codegen, workloads
 from ..transform.fuse_compute_memory import KIND_ATTR
+from .config import MmaConfig
 from .gemm_reduce import GemmRowTile
 from .lowering import PASS_CONFIG, TIR_PIPELINE
 
@@ -61,9 +62,11 @@ def build_kernel(sch: tvm.s_tir.Schedule, target: tvm.target.Target):
         return tvm.compile(sch.mod, target=target, tir_pipeline=TIR_PIPELINE)
 
 
-def time_space(M: int, K: int, N: int, norm: str = "layer_norm", limit: int | None = None, log=print) -> list:
+def time_space(M: int, K: int, N: int, norm: str = "layer_norm", limit: int | None = None, log=print,
+               configs: list | None = None) -> list:
     """On the GPU: ``[{config, max_abs_err, us}]`` for every configuration of the rule for
-    this post-norm shape (fp16, nn.Linear weight), all on the same inputs."""
+    this post-norm shape (fp16, nn.Linear weight), all on the same inputs; with ``configs``
+    (MmaConfig or RowTileConfig), those instead, whether or not the space offers them."""
     import torch  # pylint: disable=import-outside-toplevel
 
     from .. import workloads as wl  # pylint: disable=import-outside-toplevel
@@ -75,9 +78,14 @@ def time_space(M: int, K: int, N: int, norm: str = "layer_norm", limit: int | No
     args = dict(zip(["x", "w", "b", "r", "gamma", "beta"], [rnd(M, K), rnd(N, K) / K**0.5, rnd(N), rnd(M, N), rnd(N), rnd(N)]))
     ref = wl.post_norm_reference([a.float().cpu().numpy() for a in args.values()], norm, linear=True)[0]
     rows = []
-    for cfg, sch in GemmRowTile().scheduled(tvm.s_tir.Schedule(func), target, limit):
+    base = tvm.s_tir.Schedule(func)
+    scheduled = (GemmRowTile().scheduled(base, target, limit) if configs is None
+                 else [(c, GemmRowTile._try(base.copy(), c)) for c in configs])  # pylint: disable=protected-access
+    for cfg, sch in scheduled:
         row = {"config": dataclasses.asdict(cfg), "kind": type(cfg).__name__}
         try:
+            if sch is None:
+                raise RuntimeError("the rule could not schedule this configuration")
             out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.float16)
             kernel = build_kernel(sch, target)["main"]
             tvm_args = [tvm.runtime.from_dlpack(args.get(p.name, out)) for p in func.params]
@@ -117,10 +125,17 @@ def main(argv=None) -> int:
     parser.add_argument("--norm", default="layer_norm", help="with --gpu: the post-norm variant")
     parser.add_argument("--limit", type=int, help="only the first LIMIT configurations (defaults first)")
     parser.add_argument("--json", help="with --gpu: write the rows here")
+    parser.add_argument("--config", action="append", type=json.loads, metavar="JSON",
+                        help='with --gpu: time this MmaConfig instead of the space, e.g. \'{"bm": 32, "bk": 32, '
+                             '"warps_m": 2, "warps_n": 8, "stages": 2, "epilogue_vec": 8}\' (repeatable)')
     args = parser.parse_args(argv)
     start = time.perf_counter()
     if args.gpu:
-        rows = time_space(args.M, args.K, args.N, args.norm, args.limit)
+        try:
+            configs = [MmaConfig(**c) for c in args.config] if args.config else None
+        except TypeError as err:
+            parser.error(f"--config: {err} (the fields are those of MmaConfig in tvm_comfuse/schedule/config.py)")
+        rows = time_space(args.M, args.K, args.N, args.norm, args.limit, configs=configs)
         if args.json:
             with open(args.json, "w", encoding="utf-8") as f:
                 from ..bench import environment  # pylint: disable=import-outside-toplevel

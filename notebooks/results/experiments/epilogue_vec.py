@@ -1,0 +1,56 @@
+"""Is the epilogue latency bound? (H200 experiment, session 4, 2026-12-02)
+
+Session 3 measured the whole-row kernel (41 µs at 4096x768x768) no faster than a 128x192
+tile without its cluster exchange (46.6 µs), although the latter streams 2.5x fewer bytes
+from L2 and has a 4x denser warp tile. Both share the epilogue: rolled loops of scalar loads
+of the residual from HBM, one in flight per thread. Prediction: ``epilogue_vec`` (4 or 8
+columns per thread as one vector access, the per-thread loop unrolled) cuts the whole-row
+kernel well below 41 µs, and more for the cluster splits, whose mainloop is the denser one.
+
+Times, per suite shape, the scalar default against vectorised whole-row and split
+configurations (all on the same inputs, each checked against a float32 reference first) and
+writes ``$OUT/epilogue-vec.json``. Run on the GPU machine:
+``bash .ci/gpu-run notebooks/results/experiments/epilogue_vec.py``.
+"""
+
+import json
+import os
+
+from tvm_comfuse.bench import environment
+from tvm_comfuse.schedule.config import MmaConfig
+from tvm_comfuse.schedule.space_check import time_space
+
+SHAPES = [(4096, 768, 768), (4096, 3072, 768), (16384, 256, 1024), (4096, 4096, 1024)]
+WHOLE = dict(bm=32, bk=32, warps_m=2, warps_n=8)
+CONFIGS = [
+    MmaConfig(**WHOLE, stages=2),  # the scalar default
+    MmaConfig(**WHOLE, stages=2, epilogue_vec=4),
+    MmaConfig(**WHOLE, stages=2, epilogue_vec=8),
+    MmaConfig(**WHOLE, stages=3, epilogue_vec=8),
+    MmaConfig(bm=64, bk=32, warps_m=2, warps_n=8, stages=3, splits=2, epilogue_vec=8),
+    MmaConfig(bm=64, bk=32, warps_m=2, warps_n=4, stages=3, splits=4, epilogue_vec=8),
+    MmaConfig(bm=128, bk=32, warps_m=2, warps_n=4, stages=3, splits=4, epilogue_vec=8),
+    MmaConfig(bm=128, bk=32, warps_m=2, warps_n=4, stages=3, splits=4),
+]
+
+
+def main():
+    report = {"environment": environment(), "shapes": []}
+    for M, K, N in SHAPES:
+        fitting = [c for c in CONFIGS if c.fits(N, "sm_90") and (c.splits == 1 or M % c.bm == 0)]
+        rows = time_space(M, K, N, configs=fitting)
+        report["shapes"].append({"M": M, "K": K, "N": N, "rows": rows})
+        with open(os.path.join(os.environ.get("OUT", "."), "epilogue-vec.json"), "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=1)
+    for shape in report["shapes"]:
+        base = shape["rows"][0].get("us")
+        for r in shape["rows"]:
+            c = r["config"]
+            label = f"bm{c['bm']} {c['warps_m']}x{c['warps_n']} st{c['stages']} S{c['splits']} vec{c['epilogue_vec']}"
+            us = r.get("us")
+            print(f"{shape['M']}x{shape['K']}x{shape['N']} {label:32s} "
+                  + (f"{us:7.1f} us  x{base / us:4.2f}  err {r['max_abs_err']:.3g}" if us else r.get("error", "")))
+
+
+if __name__ == "__main__":
+    main()
