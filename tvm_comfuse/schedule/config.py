@@ -54,7 +54,10 @@ class MmaConfig:
     stages: int = 3
     vec: int = 8  # fp16 elements per cp.async (16 bytes)
     splits: int = 1  # CTAs (one cluster) sharing each row, each a ``n // splits`` column slice
-    epilogue_vec: int = 1  # columns per thread and vector access in the epilogue's spatial blocks
+    #: columns per thread and vector access in the epilogue's spatial blocks: at most 4, the
+    #: widest float32 vector TVM's CUDA codegen prints (8 lanes of the fp32 math give
+    #: ``make_ulonglong4`` with 8 arguments, which nvcc rejects)
+    epilogue_vec: int = 1
 
     @property
     def warps(self) -> int:
@@ -97,6 +100,7 @@ class MmaConfig:
         )
         return (
             split_ok
+            and self.epilogue_vec in (1, 2, 4)
             and self.bm % (16 * self.warps_m) == 0
             and self.bk % 32 == 0  # the XOR swizzle needs rows of >= 32 fp16
             and self.warps <= 32
