@@ -123,7 +123,7 @@ def test_cluster_split_compiles_and_exchanges_statistics_on_chip(norm, residual_
 
     target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
     func = fused_group(wl.post_norm(512, 256, 768, "float16", norm, linear=True, residual_out=residual_out), target)
-    cfg = MmaConfig(bm=128, bk=32, warps_m=2, warps_n=4, stages=3, splits=4)
+    cfg = MmaConfig(bm=128, bk=32, warps_m=2, warps_n=4, stages=3, splits=4, epilogue_vec=4)
     assert cfg in GemmRowTile().configs(tvm.s_tir.Schedule(func), target)  # offered to the tuner
     source = codegen.cuda_source(build_kernel(_schedule(tvm.s_tir.Schedule(func), cfg), target))
     (kernel,) = [k for k in source.split('extern "C" __global__')[1:] if "{" in k]

@@ -118,7 +118,7 @@ def test_vectorised_epilogues_are_correct(M, K, N):
     target = tvm.target.Target.from_device(tvm.cuda(0))
     func = fused_group(wl.post_norm(M, K, N, "float16", "layer_norm", linear=True), target)
     whole = dict(bm=32, bk=32, warps_m=2, warps_n=8, stages=2)
-    configs = [MmaConfig(**whole, epilogue_vec=v) for v in (2, 4)]
+    configs = [MmaConfig(**whole, epilogue_vec=v) for v in (2, 4)] + [MmaConfig(**dict(whole, warps_m=1), epilogue_vec=4)]
     split = MmaConfig(bm=64, bk=32, warps_m=2, warps_n=8, stages=3, splits=2, epilogue_vec=4)
     if M % split.bm == 0 and split.fits(N, str(target.attrs["arch"])):
         configs.append(split)

@@ -155,6 +155,7 @@ def _schedule(sch: s_tir.Schedule, cfg) -> s_tir.Schedule:
     g = read_blocks(sch)
     rows = flatten_batch_rows(sch, g)
     n = _static_width(sch, g.mainloop)
+    m_rows = sch.get(g.mainloop).iter_vars[0].dom.extent
     outputs = output_buffers(sch.mod["main"])
     for rv in g.prologue:
         sch.compute_inline(rv)
@@ -190,7 +191,7 @@ def _schedule(sch: s_tir.Schedule, cfg) -> s_tir.Schedule:
     if splits > 1:
         schedule_cluster_row_epilogue(sch, bx, rest, combines, outputs, cfg)
     else:
-        schedule_row_epilogue(sch, bx, rest, outputs, cfg.warps, getattr(cfg, "epilogue_vec", 1))
+        schedule_row_epilogue(sch, bx, rest, outputs, cfg.warps, getattr(cfg, "epilogue_vec", 1), (cfg.bm, m_rows))
         tile_symbolic_rows(sch, cfg.bm)
     _check_row_tiles(sch)
     return sch

@@ -77,16 +77,48 @@ def _spread(sch: s_tir.Schedule, rv, loops: list, warps: int, vec: int = 1) -> N
             sch.unroll(outer)
 
 
-def schedule_row_epilogue(sch: s_tir.Schedule, bx, blocks: list, outputs: set, warps: int, vec: int = 1) -> None:
-    """Move ``blocks`` (program order) under ``bx`` and bind them to the CTA's threads."""
+def schedule_row_epilogue(sch: s_tir.Schedule, bx, blocks: list, outputs: set, warps: int, vec: int = 1,
+                          tile_rows: tuple | None = None) -> None:
+    """Move ``blocks`` (program order) under ``bx`` and bind them to the CTA's threads.
+
+    All blocks are placed before any is bound: a block's region under ``bx`` is derived from
+    its producers' loops there, and a producer already fused and split over the threads
+    (``bm x N`` rarely divides by the thread count) gives a bounding box of more rows than
+    the tile. A block writing an output then wrote rows of the next thread block (a race:
+    GPU fuzz seeds 20, 86, 160 and others on the H200, 2026-12-02)."""
     for rv in blocks:
         sch.reverse_compute_at(rv, bx, preserve_unit_loops=True)
         if not writes_output(sch, rv, outputs):
             sch.set_scope(rv, 0, "shared")
+    if tile_rows is not None:
+        _check_tile_bounds(sch, bx, blocks, outputs, *tile_rows)
+    for rv in blocks:
         if is_reduction(sch, rv):
             _bind_reduction(sch, rv, bx, warps)
         else:
             bind_spatial(sch, rv, bx, warps, vec)
+
+
+def _check_tile_bounds(sch: s_tir.Schedule, bx, blocks: list, outputs: set, bm: int, rows) -> None:
+    """Raise ValueError if a block writing an output iterates over more than the CTA's ``bm``
+    rows of it (``rows``: the GEMM's static row count; a symbolic one is not checked): that
+    block would write rows of another thread block."""
+    if not isinstance(rows, (int, tirx.IntImm)):
+        return
+    for rv in blocks:
+        if not writes_output(sch, rv, outputs):
+            continue
+        numel = 1
+        for d in sch.get(rv).writes[0].source.shape:
+            numel *= int(d)
+        extents = [sch.get(loop).extent for loop in _loops_below(sch, rv, bx)]
+        if not all(isinstance(e, tirx.IntImm) for e in extents):
+            continue  # a thread-block dependent extent: gemm_reduce._check_row_tiles rejects it
+        iters = 1
+        for e in extents:
+            iters *= int(e)
+        if iters * int(rows) > bm * numel:
+            raise ValueError(f"block {sch.get(rv).name_hint} covers more than its {bm}-row tile")
 
 
 # -- rows split over a thread-block cluster -------------------------------------------------

@@ -1,0 +1,37 @@
+"""Run one fused post-norm kernel a few times, for a profiler (H200 experiment, session 4).
+
+``ncu --set detailed -k regex:main_kernel python notebooks/results/experiments/profile_kernel.py
+M K N '{"bm": 32, ...}'`` shows where that configuration's time goes (throughputs of L2,
+shared memory and HBM, warp stall reasons); the default configuration when none is given.
+"""
+
+import json
+import sys
+
+import torch
+import tvm
+
+from tvm_comfuse import workloads as wl
+from tvm_comfuse.schedule.config import MmaConfig
+from tvm_comfuse.schedule.gemm_reduce import GemmRowTile, _schedule
+from tvm_comfuse.schedule.space_check import build_kernel, fused_group
+
+
+def main():
+    M, K, N = (int(v) for v in (sys.argv[1:4] if len(sys.argv) > 3 else (4096, 768, 768)))
+    target = tvm.target.Target.from_device(tvm.cuda(0))
+    func = fused_group(wl.post_norm(M, K, N, "float16", "layer_norm", linear=True), target)
+    sch = tvm.s_tir.Schedule(func)
+    cfg = MmaConfig(**json.loads(sys.argv[4])) if len(sys.argv) > 4 else GemmRowTile().configs(sch, target)[0]
+    kernel = build_kernel(_schedule(sch, cfg), target)["main"]
+    shapes = {"x": (M, K), "w": (N, K), "b": (N,), "r": (M, N), "gamma": (N,), "beta": (N,)}
+    args = [tvm.runtime.from_dlpack(torch.randn(*shapes.get(p.name, (M, N)), device="cuda", dtype=torch.float16))
+            for p in func.params]
+    for _ in range(3):
+        kernel(*args)
+    torch.cuda.synchronize()
+    print(cfg)
+
+
+if __name__ == "__main__":
+    main()
