@@ -170,3 +170,24 @@ def test_vectorised_epilogue_is_offered_and_compiles():
         assert ("*(float4*)(((float*)buf_dyn_shmem_ptr)" in source) == vectorised  # the fp32 C tile
         assert ("*(half4*)(compute_intermediate" in source) == vectorised  # the normalised output
     assert codegen.compile_with_nvcc(sources[vec], "sm_90")[:4] == b"\x7fELF"
+
+
+def test_offered_configurations_fit_shared_memory_once_lowered():
+    """The driver checks dynamic plus static shared memory against the per-block limit at
+    launch (on the H200 a 224 KiB ring with 4 KiB of static reduction buffers failed): every
+    tensor-core configuration offered for a 1024-wide row, lowered, stays within 227 KiB, and
+    the estimate the space is filtered by is an upper bound of what lowering allocates."""
+    import tvm  # pylint: disable=import-outside-toplevel
+    from tvm_comfuse.schedule import GemmRowTile  # pylint: disable=import-outside-toplevel
+    from tvm_comfuse.schedule.config import SMEM_STATIC_RESERVE, MmaConfig, smem_limit  # pylint: disable=import-outside-toplevel
+    from tvm_comfuse.schedule.space_check import fused_group, shared_memory_bytes  # pylint: disable=import-outside-toplevel
+
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
+    func = fused_group(wl.post_norm(1000, 768, 1024, "float16", "layer_norm", linear=True), target)
+    scheduled = [(c, s) for c, s in GemmRowTile().scheduled(tvm.s_tir.Schedule(func), target) if isinstance(c, MmaConfig)]
+    assert len(scheduled) >= 8
+    for cfg, sch in scheduled:
+        sizes = shared_memory_bytes(sch, target)
+        assert sizes["shared.dyn"] > 0, cfg
+        assert sizes["shared.dyn"] + sizes["shared"] <= smem_limit("sm_90", dynamic=True), (cfg, sizes)
+        assert sizes["shared.dyn"] + sizes["shared"] <= cfg.smem_bytes(1024) + SMEM_STATIC_RESERVE, (cfg, sizes)

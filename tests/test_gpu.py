@@ -122,7 +122,7 @@ def test_vectorised_epilogues_are_correct(M, K, N):
     split = MmaConfig(bm=64, bk=32, warps_m=2, warps_n=8, stages=3, splits=2, epilogue_vec=4)
     if M % split.bm == 0 and split.fits(N, str(target.attrs["arch"])):
         configs.append(split)
-    scheduled = [(c, GemmRowTile._try(tvm.s_tir.Schedule(func), c)) for c in configs]  # pylint: disable=protected-access
+    scheduled = GemmRowTile().scheduled(tvm.s_tir.Schedule(func), target, configs=configs)
     assert all(sch is not None for _, sch in scheduled), [c for c, sch in scheduled if sch is None]
     _assert_correct(func, scheduled, M, K, N)
 

@@ -125,10 +125,13 @@ class GemmRowTile(ScheduleRule):
             return mma_candidates(arch, n, sch.get(g.mainloop).iter_vars[0].dom.extent)
         return candidates(RowTileConfig, arch, n, _operand_bytes(sch, g.mainloop))
 
-    def scheduled(self, sch: s_tir.Schedule, target, limit: int | None = None) -> list:
+    def scheduled(self, sch: s_tir.Schedule, target, limit: int | None = None, configs: list | None = None) -> list:
         """``[(configuration, schedule)]`` for the first ``limit`` configurations that fit,
         each schedule a copy of ``sch`` (so its trace replays on the task); configurations the
-        rule cannot apply are left out."""
+        rule cannot apply are left out. With ``configs``, those (offered by the space or not),
+        each paired with None where the rule cannot apply it."""
+        if configs is not None:
+            return [(cfg, self._try(sch.copy(), cfg)) for cfg in configs]
         pairs = ((cfg, self._try(sch.copy(), cfg)) for cfg in self.configs(sch, target)[:limit])
         return [(cfg, done) for cfg, done in pairs if done is not None]
 

@@ -47,6 +47,24 @@ def build_space(M: int, K: int, N: int, arch: str = "sm_90", dtype: str = "float
     return results
 
 
+def shared_memory_bytes(sch: tvm.s_tir.Schedule, target: tvm.target.Target) -> dict:
+    """``{"shared.dyn": bytes, "shared": bytes}`` a scheduled group's kernels allocate once
+    lowered (after TVM merges the dynamic allocations): what the driver checks at launch
+    against the per-block limit, dynamic and static together."""
+    main, _, _ = tvm.tirx.compilation_pipeline.get_tir_pipeline(TIR_PIPELINE)
+    mod = tvm.IRModule({"main": sch.mod["main"].with_attr("target", target)})
+    with tvm.transform.PassContext(opt_level=3, config=PASS_CONFIG):
+        lowered = main(mod)
+    sizes = {"shared.dyn": 0, "shared": 0}
+    for _, func in lowered.functions_items():
+        if isinstance(func, tvm.tirx.PrimFunc):
+            for per_scope in tvm.s_tir.analysis.calculate_allocated_bytes(func).values():
+                for scope, n in per_scope.items():
+                    if scope in sizes:
+                        sizes[scope] += int(n)
+    return sizes
+
+
 def fused_group(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.tirx.PrimFunc:
     """The one ComFuse-fused PrimFunc of ``mod`` after fusion, as a standalone entry function."""
     from ..tune.tasks import fused_module  # pylint: disable=import-outside-toplevel
@@ -78,10 +96,7 @@ def time_space(M: int, K: int, N: int, norm: str = "layer_norm", limit: int | No
     args = dict(zip(["x", "w", "b", "r", "gamma", "beta"], [rnd(M, K), rnd(N, K) / K**0.5, rnd(N), rnd(M, N), rnd(N), rnd(N)]))
     ref = wl.post_norm_reference([a.float().cpu().numpy() for a in args.values()], norm, linear=True)[0]
     rows = []
-    base = tvm.s_tir.Schedule(func)
-    scheduled = (GemmRowTile().scheduled(base, target, limit) if configs is None
-                 else [(c, GemmRowTile._try(base.copy(), c)) for c in configs])  # pylint: disable=protected-access
-    for cfg, sch in scheduled:
+    for cfg, sch in GemmRowTile().scheduled(tvm.s_tir.Schedule(func), target, limit, configs):
         row = {"config": dataclasses.asdict(cfg), "kind": type(cfg).__name__}
         try:
             if sch is None:
@@ -127,7 +142,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="with --gpu: write the rows here")
     parser.add_argument("--config", action="append", type=json.loads, metavar="JSON",
                         help='with --gpu: time this MmaConfig instead of the space, e.g. \'{"bm": 32, "bk": 32, '
-                             '"warps_m": 2, "warps_n": 8, "stages": 2, "epilogue_vec": 8}\' (repeatable)')
+                             '"warps_m": 1, "warps_n": 8, "stages": 2, "epilogue_vec": 4}\' (repeatable)')
     args = parser.parse_args(argv)
     start = time.perf_counter()
     if args.gpu:
