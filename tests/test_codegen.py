@@ -172,10 +172,12 @@ def test_vectorised_epilogue_is_offered_and_compiles():
     assert codegen.compile_with_nvcc(sources[vec], "sm_90")[:4] == b"\x7fELF"
 
 
-def test_offered_configurations_fit_shared_memory_once_lowered():
+@pytest.mark.parametrize("M, K", [(1000, 768), (1024, 64)])
+def test_offered_configurations_fit_shared_memory_once_lowered(M, K):
     """The driver checks dynamic plus static shared memory against the per-block limit at
     launch (on the H200 a 224 KiB ring with 4 KiB of static reduction buffers failed): every
-    tensor-core configuration offered for a 1024-wide row, lowered, stays within 227 KiB, and
+    tensor-core configuration offered for a 1024-wide row (M = 1024 adds the recomputed-row
+    and cluster-split ones), lowered, stays within 227 KiB, and
     the estimate the space is filtered by is an upper bound of what lowering allocates."""
     import tvm  # pylint: disable=import-outside-toplevel
     from tvm_comfuse.schedule import GemmRowTile  # pylint: disable=import-outside-toplevel
@@ -183,7 +185,7 @@ def test_offered_configurations_fit_shared_memory_once_lowered():
     from tvm_comfuse.schedule.space_check import fused_group, shared_memory_bytes  # pylint: disable=import-outside-toplevel
 
     target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
-    func = fused_group(wl.post_norm(1000, 768, 1024, "float16", "layer_norm", linear=True), target)
+    func = fused_group(wl.post_norm(M, K, 1024, "float16", "layer_norm", linear=True), target)
     scheduled = [(c, s) for c, s in GemmRowTile().scheduled(tvm.s_tir.Schedule(func), target) if isinstance(c, MmaConfig)]
     assert len(scheduled) >= 8
     for cfg, sch in scheduled:

@@ -13,14 +13,10 @@ writes ``$OUT/epilogue-vec.json``. Run on the GPU machine:
 ``bash .ci/gpu-run notebooks/results/experiments/epilogue_vec.py``.
 """
 
-import json
-import os
+from sweep_configs import sweep
 
-from tvm_comfuse.bench import environment
 from tvm_comfuse.schedule.config import MmaConfig
-from tvm_comfuse.schedule.space_check import time_space
 
-SHAPES = [(4096, 768, 768), (4096, 3072, 768), (16384, 256, 1024), (4096, 4096, 1024)]
 WHOLE = dict(bm=32, bk=32, warps_m=2, warps_n=8)
 CONFIGS = [
     MmaConfig(**WHOLE, stages=2),  # the scalar default
@@ -36,21 +32,7 @@ CONFIGS = [
 
 
 def main():
-    report = {"environment": environment(), "shapes": []}
-    for M, K, N in SHAPES:
-        fitting = [c for c in CONFIGS if c.fits(N, "sm_90") and (c.splits == 1 or M % c.bm == 0)]
-        rows = time_space(M, K, N, configs=fitting)
-        report["shapes"].append({"M": M, "K": K, "N": N, "rows": rows})
-        with open(os.path.join(os.environ.get("OUT", "."), "epilogue-vec.json"), "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=1)
-    for shape in report["shapes"]:
-        base = shape["rows"][0].get("us")
-        for r in shape["rows"]:
-            c = r["config"]
-            label = f"bm{c['bm']} {c['warps_m']}x{c['warps_n']} st{c['stages']} S{c['splits']} vec{c['epilogue_vec']}"
-            us = r.get("us")
-            print(f"{shape['M']}x{shape['K']}x{shape['N']} {label:32s} "
-                  + (f"{us:7.1f} us  x{base / us:4.2f}  err {r['max_abs_err']:.3g}" if us else r.get("error", "")))
+    sweep("epilogue-vec", CONFIGS)
 
 
 if __name__ == "__main__":
