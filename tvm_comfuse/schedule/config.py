@@ -63,9 +63,6 @@ class MmaConfig:
     #: widest float32 vector TVM's CUDA codegen prints (8 lanes of the fp32 math give
     #: ``make_ulonglong4`` with 8 arguments, which nvcc rejects)
     epilogue_vec: int = 1
-    #: the pre-norm row tile (the residual sum the reductions read) staged in shared memory
-    #: (True), or recomputed from the C tile by each of its readers (False)
-    stage_rows: bool = True
 
     @property
     def warps(self) -> int:
@@ -91,8 +88,7 @@ class MmaConfig:
         # buffers) where the other terms give 212 KiB (bm=128, bk=64, N/4=256) and 197 KiB
         # (bm=64, bk=32, N/8=512) on the H200
         split = self.splits > 1
-        staged = self.bm * (bn if split else n) * tile_bytes if self.stage_rows else 0
-        return max(ring, self.bm * bn * 4) + staged + split * CLUSTER_SMEM_MARGIN
+        return max(ring, self.bm * bn * 4) + self.bm * (bn if split else n) * tile_bytes + split * CLUSTER_SMEM_MARGIN
 
     def acc_regs(self, n: int) -> int:
         """fp32 accumulator registers per thread."""
@@ -149,12 +145,6 @@ SPACES = {
         # than the scalar one on the H200's suite shapes)
         MmaConfig(bm=bm, bk=32, warps_m=wm, warps_n=wn, stages=st, epilogue_vec=4)
         for bm, wm, wn, st in itertools.product((32, 16), (1, 2), (8, 4), (2, 3))
-    ]
-    + [  # the pre-norm row recomputed from the C tile by each reader: no row tile in shared
-        # memory (and none of the barriers TVM puts between its vector writes and the C tile's
-        # reads, which it plans as one buffer), so 64-row tiles fit 768-wide rows
-        MmaConfig(bm=bm, bk=32, warps_m=wm, warps_n=wn, stages=st, epilogue_vec=4, stage_rows=False)
-        for bm, (wm, wn), st in itertools.product((32, 64), ((1, 8), (2, 8), (4, 4), (2, 4)), (2, 3))
     ]
     + [
         MmaConfig(bm=bm, bk=bk, warps_m=wm, warps_n=wn, stages=st, splits=sp, epilogue_vec=4)

@@ -180,11 +180,7 @@ def _schedule(sch: s_tir.Schedule, cfg) -> s_tir.Schedule:
     if isinstance(cfg, MmaConfig):
         bx, cta, c_tile = schedule_mma_mainloop(sch, g.mainloop, n, cfg)
         writeback = _inline_epilogue(sch, c_tile, tile)
-        if not cfg.stage_rows and not writes_output(sch, writeback, outputs):
-            sch.compute_inline(writeback)
-            writeback = None
-        else:
-            bind_spatial(sch, writeback, cta, cfg.warps, cfg.epilogue_vec)
+        bind_spatial(sch, writeback, cta, cfg.warps, cfg.epilogue_vec)
         scope = "shared.dyn"
     else:
         bx, writeback = schedule_simt_mainloop(sch, g.mainloop, cfg)
@@ -193,7 +189,7 @@ def _schedule(sch: s_tir.Schedule, cfg) -> s_tir.Schedule:
         scope = "shared"
     if rows is not None:
         flatten_row_buffers(sch, rows)  # and the mainloop's caches
-    if writeback is not None and not writes_output(sch, writeback, outputs):
+    if not writes_output(sch, writeback, outputs):
         sch.set_scope(writeback, 0, scope)
     if splits > 1:
         schedule_cluster_row_epilogue(sch, bx, rest, combines, outputs, cfg)
@@ -225,13 +221,10 @@ def _check_row_tiles(sch: s_tir.Schedule) -> None:
 
 
 def mma_candidates(arch: str, n: int, rows) -> list:
-    """The tensor-core configurations for ``rows x n`` (defaults first). Two kinds need whole
-    row tiles, so only a static ``rows``, a multiple of ``bm``, gets them: a row split over a
-    cluster, and a recomputed row (``stage_rows=False``): with a partial last tile, TVM cannot
-    bound the C tile its vectorised readers touch and allocates it for all rows (4 MiB)."""
+    """The tensor-core configurations for ``rows x n`` (defaults first): a row split over a
+    cluster needs whole row tiles, so only a static ``rows``, a multiple of ``bm``, gets one."""
     static = rows if isinstance(rows, int) else int(rows) if isinstance(rows, tirx.IntImm) else None
-    whole = lambda c: c.splits == 1 and c.stage_rows  # noqa: E731
-    return [c for c in candidates(MmaConfig, arch, n) if whole(c) or static is not None and static % c.bm == 0]
+    return [c for c in candidates(MmaConfig, arch, n) if c.splits == 1 or static is not None and static % c.bm == 0]
 
 
 def _keep_outputs_on_chip(sch: s_tir.Schedule, rest: list, outputs: set, copies: list) -> list:
@@ -254,6 +247,12 @@ def _keep_outputs_on_chip(sch: s_tir.Schedule, rest: list, outputs: set, copies:
         if readers:
             copies.append(sch.cache_write(rv, 0, "shared", consumer_blocks=readers))
             out.append(copies[-1])
+            if not any(is_reduction(sch, c) for c in readers):
+                # elementwise readers (a LayerNorm output kept in fp32 and also cast) recompute
+                # the value instead: a bm x N static copy in shared memory (96 KiB for BERT's
+                # fp32 LayerNorm) failed to launch next to the dynamic ring on the H200
+                out.remove(rv)
+                sch.compute_inline(rv)
     return out
 
 

@@ -40,8 +40,6 @@ def _rows_over_warps(sch: s_tir.Schedule, rv, row_loops: list, red_loops: list, 
     sch.reorder(rs, ty, tx, ro)
     sch.bind(ty, "threadIdx.y")
     sch.bind(tx, "threadIdx.x")
-    if isinstance(sch.get(ro).extent, tirx.IntImm):
-        sch.unroll(ro)  # independent loads in flight (global ones when the row is recomputed)
 
 
 def bind_spatial(sch: s_tir.Schedule, rv, bx, warps: int, vec: int = 1) -> None:

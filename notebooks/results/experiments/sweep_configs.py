@@ -24,9 +24,8 @@ def sweep(name: str, configs: list, shapes=SHAPES) -> dict:
         base = shape["rows"][0].get("us")
         for r in shape["rows"]:
             c = r["config"]
-            label = (f"bm{c['bm']} {c['warps_m']}x{c['warps_n']} st{c['stages']} S{c['splits']} vec{c['epilogue_vec']}"
-                     + ("" if c.get("stage_rows", True) else " recompute"))
+            label = f"bm{c['bm']} {c['warps_m']}x{c['warps_n']} st{c['stages']} S{c['splits']} vec{c['epilogue_vec']}"
             us = r.get("us")
-            print(f"{shape['M']}x{shape['K']}x{shape['N']} {label:42s} "
+            print(f"{shape['M']}x{shape['K']}x{shape['N']} {label:32s} "
                   + (f"{us:7.1f} us  x{base / us:4.2f}  err {r['max_abs_err']:.3g}" if us and base else r.get("error", "")))
     return report
