@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import tvm
+import tvm_ffi
 from tvm import relax
 from tvm.relax.dpl import is_op, wildcard
 from tvm.relax.expr_functor import PyExprMutator, mutator
@@ -136,6 +137,65 @@ def _limit_to_target(groups: list, target) -> list:
     return out
 
 
+def _declined_by_rule(groups: list, mod: tvm.IRModule, names: dict, target) -> dict:
+    """``{group index: note}`` for the outlined gemm_reduce groups for which the gemm_reduce
+    rule has no configuration on a GPU ``target``, found by lowering each group on its own as
+    the pipeline does and asking the rule (once per distinct group: a model's layers repeat).
+
+    Why: the shape check before outlining cannot see everything the rule needs (a reshape
+    left between the GEMM and the reduction, a 4-D batched GEMM). A fused group the rule
+    declines goes to DLight as one GEMM + softmax function, which it schedules far worse than
+    the separate kernels of vanilla fusion: on the H200 BERT-base's attention-score groups made
+    the whole encoder 3.8x slower than vanilla TVM (58.5 ms against 15.3 ms)."""
+    if target is None or not is_gpu(target):
+        return {}
+    declined, seen = {}, {}
+    for i, name in names.items():
+        if groups[i].kind != GEMM_REDUCE:
+            continue
+        func = mod[name]
+        key = tvm_ffi.structural_hash(func.body, map_free_vars=True)  # not the attributes: they name the group
+        if key not in seen:
+            seen[key] = _rule_schedules(func, target)
+        if not seen[key]:
+            declined[i] = "the gemm_reduce rule cannot tile its fused function (a re-laid-out or 4-D GEMM tile); left to vanilla fusion"
+    return declined
+
+
+def _rule_schedules(func: relax.Function, target) -> bool:
+    """Whether the gemm_reduce rule has configurations for the PrimFunc that outlined group
+    ``func`` becomes."""
+    from ..schedule import GemmRowTile  # pylint: disable=import-outside-toplevel
+    from .annotate_blocks import AnnotateFusedBlocks  # pylint: disable=import-outside-toplevel
+
+    params = [relax.Var(f"p{i}", p.ty) for i, p in enumerate(func.params)]
+    bb = relax.BlockBuilder()
+    with bb.function("main", params):
+        group = bb.add_func(func, "group")
+        with bb.dataflow():
+            out = bb.emit_output(relax.Call(group, params))
+        bb.emit_func_output(out)
+    lower = [relax.transform.LegalizeOps(), relax.transform.FuseTIR(), AnnotateFusedBlocks()]
+    with target:
+        lowered = tvm.transform.Sequential(lower)(bb.get().with_attr(GROUPS_ATTR, {"group": func.attrs[KIND_ATTR]}))
+    fused = [f for _, f in lowered.functions_items() if isinstance(f, tvm.tirx.PrimFunc) and KIND_ATTR in (f.attrs or {})]
+    # the rule's configurations, not a trial schedule: that would load the tensor-core
+    # intrinsics (a minute of TVMScript parsing) into every analysis
+    return len(fused) == 1 and bool(GemmRowTile().configs(tvm.s_tir.Schedule(fused[0]), target))
+
+
+def _outline_schedulable(mod: tvm.IRModule, groups: list, kinds, target) -> tuple:
+    """:func:`_outline`, leaving to vanilla fusion the groups the rule declines on ``target``;
+    returns the module, {group index: name} and the groups (declined ones with their note)."""
+    out, names = _outline(mod, groups, kinds)
+    declined = _declined_by_rule(groups, out, names, target)
+    if not declined:
+        return out, names, groups
+    groups = [replace(g, fused=False, note=declined[i]) if i in declined else g for i, g in enumerate(groups)]
+    out, names = _outline(mod, groups, kinds)
+    return out, names, groups
+
+
 def _resolve(groups: list, names: dict) -> list:
     """Give each group the name of its outlined function, or say why it was not outlined."""
     out = []
@@ -157,8 +217,9 @@ def _canonicalize(mod: tvm.IRModule) -> tvm.IRModule:
 def analyze(mod: tvm.IRModule, target=None) -> list:
     """The fusion groups :func:`FuseComputeMemory` would form, without changing ``mod``.
 
-    With a GPU ``target``, groups whose rows do not fit the target's one-kernel schedule are
-    reported as left to vanilla fusion (``fused=False``), as ``get_pipeline(target)`` does.
+    With a GPU ``target``, groups whose rows do not fit the target's one-kernel schedule, or
+    that the gemm_reduce rule cannot tile, are reported as left to vanilla fusion
+    (``fused=False``), as ``get_pipeline(target)`` does.
 
     Returns a list of :class:`~tvm_comfuse.graph.group.FusionGroup` (``kind``, ``ops``,
     ``name`` of the function the group becomes, GEMM shape, dtypes, inputs and outputs).
@@ -167,8 +228,9 @@ def analyze(mod: tvm.IRModule, target=None) -> list:
     """
     check_module(mod, "analyze")
     mod = _canonicalize(mod)
-    groups = _limit_to_target(_plan(mod), parse_target(target) if target is not None else None)
-    _, names = _outline(mod, groups, (GEMM_REDUCE, GEMM_ELEMENTWISE))
+    target = parse_target(target) if target is not None else None
+    groups = _limit_to_target(_plan(mod), target)
+    _, names, groups = _outline_schedulable(mod, groups, (GEMM_REDUCE, GEMM_ELEMENTWISE), target)
     return _resolve(groups, names)
 
 
@@ -199,7 +261,7 @@ class FuseComputeMemory:  # pylint: disable=too-few-public-methods
         """Find the groups of every Relax function and outline them (no-op without any)."""
         mod = _canonicalize(mod)
         groups = _limit_to_target(_plan(mod), self.target)
-        mod, names = _outline(mod, groups, self.kinds)
+        mod, names, groups = _outline_schedulable(mod, groups, self.kinds, self.target)
         if not names:
             return mod
         recorded = dict(mod.attrs[GROUPS_ATTR]) if mod.attrs and GROUPS_ATTR in mod.attrs else {}
