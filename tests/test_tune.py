@@ -72,6 +72,20 @@ def test_compile_from_logs_matches_vanilla(tuned):
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
 
 
+def test_vanilla_metaschedule_contender_tunes_and_matches_the_reference(tmp_path):
+    """The bench's vanilla-MetaSchedule contender: stock rules tune vanilla fusion's tasks within
+    the budget, write MetaSchedule's logs, and the build from them computes the post-norm."""
+    mod = workloads.post_norm(24, 16, 40, "float32", "layer_norm", linear=True)
+    args = workloads.random_inputs(mod, seed=2)
+    ex = runtime.compile_vanilla_tuned(mod, "llvm", trials_per_task=2, work_dir=str(tmp_path))
+    dev = tvm.cpu()
+    (out,) = runtime.run(ex, runtime.to_device(args, runtime.param_dtypes(mod), dev), dev)
+    (ref,) = workloads.post_norm_reference(args, "layer_norm", linear=True)
+    np.testing.assert_allclose(out, ref, atol=1e-4, rtol=1e-4)
+    records = (tmp_path / RECORD_FILE).read_text().splitlines()
+    assert 1 <= len(records) <= 2 * 3  # at most 2 trials for each of vanilla's (at most 3) tasks
+
+
 def test_compile_says_how_many_kernels_are_tuned(tuned, caplog):
     """Compiling with logs tells the user how many fused kernels had a record."""
     import logging  # pylint: disable=import-outside-toplevel

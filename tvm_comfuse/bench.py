@@ -3,7 +3,8 @@
 The GEMM is PyTorch's ``nn.Linear`` (weight ``[N, K]``), as models import. For each shape,
 norm and dtype, the same inputs go to: cuBLAS GEMM alone (the floor),
 PyTorch eager, torch.compile (default, and max-autotune when asked), vanilla TVM (its
-default pipeline: DLight) and ComFuse. Each contender's output is checked against a float32
+default pipeline: DLight; and, when asked, tuned by MetaSchedule's stock rules with the trial
+budget ComFuse's logs had) and ComFuse. Each contender's output is checked against a float32
 PyTorch reference before it is timed; a wrong result is reported and not timed. Two times
 per call: device time (sum of kernel durations from the CUDA profiler, so launch and VM
 overhead are excluded) and wall time (CUDA events around back-to-back calls, best of 3).
@@ -21,7 +22,11 @@ from dataclasses import asdict, dataclass
 from . import workloads
 from .runtime import compile_module
 
-CONTENDERS = ("cublas_gemm", "eager", "inductor", "inductor_max_autotune", "tvm_dlight", "comfuse", "comfuse_tuned")
+CONTENDERS = ("cublas_gemm", "eager", "inductor", "inductor_max_autotune", "tvm_dlight", "tvm_metaschedule", "comfuse",
+              "comfuse_tuned")
+#: MetaSchedule trials per task for ``tvm_metaschedule``: the budget ``comfuse tune`` gave the
+#: shipped logs (64 per shape, one ComFuse task each).
+VANILLA_TRIALS = 64
 #: Where ``comfuse_tuned`` reads its logs: ``tuning_logs/<target>/<shape name>/`` (``comfuse tune``).
 TUNED_TARGET = "nvidia/nvidia-h100"
 #: Max |out - fp32 reference| accepted; LayerNorm outputs are O(1), softmax outputs O(1/N).
@@ -104,6 +109,20 @@ def _tvm_callable(torch, mod, args, comfuse: bool, target, database=None):
     return lambda: f(*tvm_args), lambda: torch.from_dlpack(first(f(*tvm_args)))
 
 
+def _vanilla_tuned_callable(torch, mod, args, target, trials: int = VANILLA_TRIALS):
+    import tempfile  # pylint: disable=import-outside-toplevel
+
+    import tvm  # pylint: disable=import-outside-toplevel
+
+    from .runtime import compile_vanilla_tuned  # pylint: disable=import-outside-toplevel
+
+    with tempfile.TemporaryDirectory(prefix="comfuse-bench-ms-") as work_dir:
+        ex = compile_vanilla_tuned(mod, target, trials, work_dir)
+    f = tvm.relax.VirtualMachine(ex, tvm.cuda(0))["main"]
+    tvm_args = [tvm.runtime.from_dlpack(a) for a in args]
+    return lambda: f(*tvm_args), lambda: torch.from_dlpack(f(*tvm_args))
+
+
 def _contenders(torch, shape, norm, dtype, args, which, target):
     x, w = args[0], args[1]
     post = lambda: _torch_postnorm(torch, *args, norm)  # noqa: E731
@@ -120,6 +139,8 @@ def _contenders(torch, shape, norm, dtype, args, which, target):
     for name, comfuse in (("tvm_dlight", False), ("comfuse", True)):
         if name in which:
             out[name] = lambda m=mod, c=comfuse: _tvm_callable(torch, m, args, c, target)
+    if "tvm_metaschedule" in which:
+        out["tvm_metaschedule"] = lambda m=mod: _vanilla_tuned_callable(torch, m, args, target)
     logs = tuned_logs(shape.name)
     if "comfuse_tuned" in which and logs and (norm, dtype) == ("layer_norm", "float16"):  # what the logs were tuned for
         out["comfuse_tuned"] = lambda m=mod: _tvm_callable(torch, m, args, True, target, logs)

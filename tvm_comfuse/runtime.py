@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 import tvm
 from tvm import relax
 
 from .pipeline import get_pipeline
 from .schedule.lowering import PASS_CONFIG, TIR_PIPELINE
-from .target import parse_target
+from .target import parse_target, tuning_target
 
 
 def compile_module(mod: tvm.IRModule, target, comfuse: bool = True, database=None):
@@ -22,6 +24,30 @@ def compile_module(mod: tvm.IRModule, target, comfuse: bool = True, database=Non
         return tvm.compile(mod, target=target, relax_pipeline="default")
     with tvm.transform.PassContext(opt_level=3, config=PASS_CONFIG):
         return tvm.compile(mod, target=target, relax_pipeline=get_pipeline(target, database), tir_pipeline=TIR_PIPELINE)
+
+
+def compile_vanilla_tuned(mod: tvm.IRModule, target, trials_per_task: int, work_dir: str):
+    """Vanilla TVM tuned by MetaSchedule with its stock rules (XGBoost cost model), then built
+    from that database (DLight for what it did not tune): the "vanilla TVM MetaSchedule"
+    contender of ``comfuse bench``, given the trial budget per task ComFuse's tuning gets.
+
+    ``work_dir`` receives MetaSchedule's logs. The tasks are vanilla fusion's PrimFuncs, so the
+    GEMM and its normalisation are tuned as separate kernels, as TVM users get them today."""
+    from tvm.s_tir import meta_schedule as ms  # pylint: disable=import-outside-toplevel
+
+    target = tuning_target(target)
+    if "cuda" in target.kind.name:  # the stock tensor-core rules need TVM's CUDA intrinsics registered
+        importlib.import_module("tvm.s_tir.tensor_intrin.cuda")
+    fuse = [relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(), relax.transform.FoldConstant(),
+            relax.transform.FuseOps(), relax.transform.FuseTIR()]
+    with target:
+        fused = tvm.transform.Sequential(fuse)(mod)
+    tasks = ms.relax_integration.extract_tasks(fused, target)
+    database = ms.relax_integration.tune_relax(
+        fused, params={}, target=target, work_dir=work_dir, max_trials_global=trials_per_task * max(len(tasks), 1),
+        max_trials_per_task=trials_per_task, num_trials_per_iter=min(64, trials_per_task),
+    )
+    return ms.relax_integration.compile_relax(database, mod, target, params=None)
 
 
 def to_device(arrays, dtypes, device):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import tvm
 
@@ -36,3 +37,12 @@ def parse_target(target) -> tvm.target.Target:
 def is_gpu(target: tvm.target.Target) -> bool:
     """True for targets whose kernels need thread bindings (CUDA, ROCm, Metal, ...)."""
     return "gpu" in target.keys
+
+
+def tuning_target(target) -> tvm.target.Target:
+    """``target`` as MetaSchedule measures on it: a CPU target without ``num-cores`` gets this
+    machine's core count (MetaSchedule refuses an ``llvm`` target without one)."""
+    target = parse_target(target)
+    if target.kind.name == "llvm" and "num-cores" not in target.attrs:
+        target = parse_target({**dict(target.export()), "num-cores": os.cpu_count() or 1})
+    return target

@@ -19,7 +19,7 @@ from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 
 from ..errors import ComFuseError
-from ..target import is_gpu, parse_target
+from ..target import is_gpu, tuning_target
 from . import measure, space
 from .logs import WorkDir, default_work_dir
 from .registry import load_workload
@@ -91,9 +91,7 @@ def prepare(options: TuneOptions):
     """All checks, in order, before anything is written: ``(target, module, tasks, WorkDir, runner)``."""
     if options.trials < 0:
         raise ComFuseError(f"--trials must be >= 0, got {options.trials}")
-    target = parse_target(options.target)
-    if target.kind.name == "llvm" and "num-cores" not in target.attrs:
-        target = parse_target({**dict(target.export()), "num-cores": os.cpu_count() or 1})
+    target = tuning_target(options.target)
     name, mod = load_workload(options.workload, options.layers)
     if is_gpu(target) and options.rpc_tracker is None and not tvm.device(target.kind.name, 0).exist:
         raise ComFuseError(
