@@ -50,8 +50,10 @@ def test_symbolic_m_is_one_kernel(dtype, norm, K, N):
     codegen.compile_with_nvcc(source, "sm_90")
 
 
-def test_rule_leaves_a_relaid_out_tile_to_dlight():
-    """A batch-splitting reshape inside a softmax group: DLight schedules it, still compiles."""
+def test_a_relaid_out_tile_stays_with_vanilla_fusion_on_gpus():
+    """A batch-splitting reshape inside a softmax group: the gemm_reduce rule cannot tile it, so
+    on a GPU target the pass leaves it to vanilla fusion (fused, DLight would schedule GEMM and
+    softmax as one slow function); the module still compiles, and nvcc takes it."""
     from tvm import relax  # pylint: disable=import-outside-toplevel
 
     bb = relax.BlockBuilder()
@@ -63,9 +65,12 @@ def test_rule_leaves_a_relaid_out_tile_to_dlight():
             out = bb.emit_output(bb.emit(relax.op.nn.softmax(s, axis=-1)))
         bb.emit_func_output(out)
     mod = bb.get()
-    (group,) = [g for g in cf.analyze(mod) if g.fused]
-    source = codegen.cuda_source(runtime.compile_module(mod, {"kind": "cuda", "arch": "sm_90"}))
-    assert any(k.startswith(group.name) for k in codegen.kernel_names(source))
+    target = {"kind": "cuda", "arch": "sm_90"}
+    (on_cpu,) = cf.analyze(mod)
+    (on_gpu,) = cf.analyze(mod, target)
+    assert on_cpu.fused and not on_gpu.fused and "cannot tile" in on_gpu.note
+    source = codegen.cuda_source(runtime.compile_module(mod, target))
+    assert not any(k.startswith(on_cpu.name) for k in codegen.kernel_names(source))
     codegen.compile_with_nvcc(source, "sm_90")
 
 
@@ -215,3 +220,23 @@ def test_bert_groups_fit_shared_memory_once_lowered():
         sizes = shared_memory_bytes(sch, target)
         assert sizes["shared"] <= SMEM_STATIC_BYTES, sizes
         assert sizes["shared.dyn"] + sizes["shared"] <= smem_limit("sm_90a", dynamic=True), sizes
+
+
+def test_recomputed_rows_drop_the_row_tile_and_need_whole_row_tiles():
+    """``MmaConfig(stage_rows=False)`` (the two-CTAs-per-SM experiment's kernel): it compiles,
+    allocates no row tile (less shared memory than the staged kernel), and the rule declines it
+    when M is not a multiple of the row tile (TVM would allocate the C tile for every row)."""
+    import tvm  # pylint: disable=import-outside-toplevel
+    from tvm_comfuse.schedule import GemmRowTile  # pylint: disable=import-outside-toplevel
+    from tvm_comfuse.schedule.config import MmaConfig  # pylint: disable=import-outside-toplevel
+    from tvm_comfuse.schedule.space_check import build_kernel, fused_group, shared_memory_bytes  # pylint: disable=import-outside-toplevel
+
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
+    base = dict(bm=32, bk=32, warps_m=1, warps_n=8, stages=2, epilogue_vec=4)
+    configs = [MmaConfig(**base), MmaConfig(**base, stage_rows=False)]
+    func = fused_group(wl.post_norm(128, 64, 768, "float16", "layer_norm", linear=True), target)
+    (_, staged), (_, recomputed) = GemmRowTile().scheduled(tvm.s_tir.Schedule(func), target, configs=configs)
+    assert shared_memory_bytes(recomputed, target)["shared.dyn"] < shared_memory_bytes(staged, target)["shared.dyn"]
+    codegen.compile_with_nvcc(codegen.cuda_source(build_kernel(recomputed, target)), "sm_90")
+    partial = fused_group(wl.post_norm(100, 64, 768, "float16", "layer_norm", linear=True), target)
+    assert GemmRowTile().scheduled(tvm.s_tir.Schedule(partial), target, configs=configs[1:]) == [(configs[1], None)]

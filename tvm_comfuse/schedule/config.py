@@ -63,6 +63,11 @@ class MmaConfig:
     #: widest float32 vector TVM's CUDA codegen prints (8 lanes of the fp32 math give
     #: ``make_ulonglong4`` with 8 arguments, which nvcc rejects)
     epilogue_vec: int = 1
+    #: the pre-norm row tile (the residual sum the reductions read) staged in shared memory
+    #: (True), or recomputed from the C tile by each of its readers (False: 48 KiB less at
+    #: bm 32, N 768, which leaves room for two CTAs per SM; not in the search space: no faster
+    #: with one CTA per SM, notebooks/results/NOTES.md, session 5)
+    stage_rows: bool = True
 
     @property
     def warps(self) -> int:
@@ -88,7 +93,8 @@ class MmaConfig:
         # buffers) where the other terms give 212 KiB (bm=128, bk=64, N/4=256) and 197 KiB
         # (bm=64, bk=32, N/8=512) on the H200
         split = self.splits > 1
-        return max(ring, self.bm * bn * 4) + self.bm * (bn if split else n) * tile_bytes + split * CLUSTER_SMEM_MARGIN
+        staged = self.bm * (bn if split else n) * tile_bytes if self.stage_rows else 0
+        return max(ring, self.bm * bn * 4) + staged + split * CLUSTER_SMEM_MARGIN
 
     def acc_regs(self, n: int) -> int:
         """fp32 accumulator registers per thread."""

@@ -180,7 +180,15 @@ def _schedule(sch: s_tir.Schedule, cfg) -> s_tir.Schedule:
     if isinstance(cfg, MmaConfig):
         bx, cta, c_tile = schedule_mma_mainloop(sch, g.mainloop, n, cfg)
         writeback = _inline_epilogue(sch, c_tile, tile)
-        bind_spatial(sch, writeback, cta, cfg.warps, cfg.epilogue_vec)
+        if not cfg.stage_rows and not writes_output(sch, writeback, outputs):
+            if not isinstance(m_rows, tirx.IntImm) or int(m_rows) % cfg.bm:
+                # a partial last tile: TVM cannot bound the C tile the vectorised readers touch
+                # and allocates it for all rows (4 MiB at M = 1000)
+                raise ValueError("recomputed rows need M to be a static multiple of the row tile")
+            sch.compute_inline(writeback)
+            writeback = None
+        else:
+            bind_spatial(sch, writeback, cta, cfg.warps, cfg.epilogue_vec)
         scope = "shared.dyn"
     else:
         bx, writeback = schedule_simt_mainloop(sch, g.mainloop, cfg)
@@ -189,7 +197,7 @@ def _schedule(sch: s_tir.Schedule, cfg) -> s_tir.Schedule:
         scope = "shared"
     if rows is not None:
         flatten_row_buffers(sch, rows)  # and the mainloop's caches
-    if not writes_output(sch, writeback, outputs):
+    if writeback is not None and not writes_output(sch, writeback, outputs):
         sch.set_scope(writeback, 0, scope)
     if splits > 1:
         schedule_cluster_row_epilogue(sch, bx, rest, combines, outputs, cfg)
