@@ -182,8 +182,8 @@ def test_offered_configurations_fit_shared_memory_once_lowered(M, K):
     """The driver checks dynamic plus static shared memory against the per-block limit at
     launch (on the H200 a 224 KiB ring with 4 KiB of static reduction buffers failed): every
     tensor-core configuration offered for a 1024-wide row (M = 1024 adds the cluster-split
-    ones), lowered, stays within 227 KiB, and
-    the estimate the space is filtered by is an upper bound of what lowering allocates."""
+    ones), lowered, stays within 227 KiB, and the estimate the space is filtered by is an upper
+    bound of what lowering allocates."""
     import tvm  # pylint: disable=import-outside-toplevel
     from tvm_comfuse.schedule import GemmRowTile  # pylint: disable=import-outside-toplevel
     from tvm_comfuse.schedule.config import SMEM_STATIC_RESERVE, MmaConfig, smem_limit  # pylint: disable=import-outside-toplevel

@@ -158,13 +158,13 @@ def _declined_by_rule(groups: list, mod: tvm.IRModule, names: dict, target) -> d
         func = mod[name]
         key = tvm_ffi.structural_hash(func.body, map_free_vars=True)  # not the attributes: they name the group
         if key not in seen:
-            seen[key] = _rule_schedules(func, target)
+            seen[key] = _rule_has_configs(func, target)
         if not seen[key]:
             declined[i] = "the gemm_reduce rule cannot tile its fused function (a re-laid-out or 4-D GEMM tile); left to vanilla fusion"
     return declined
 
 
-def _rule_schedules(func: relax.Function, target) -> bool:
+def _rule_has_configs(func: relax.Function, target) -> bool:
     """Whether the gemm_reduce rule has configurations for the PrimFunc that outlined group
     ``func`` becomes."""
     from ..schedule import GemmRowTile  # pylint: disable=import-outside-toplevel
@@ -244,8 +244,9 @@ class FuseComputeMemory:  # pylint: disable=too-few-public-methods
     Parameters
     ----------
     target : str, dict or tvm.target.Target, optional
-        On a GPU target, gemm_reduce groups whose rows are too wide for one thread block stay
-        with vanilla fusion (``get_pipeline`` passes its target).
+        On a GPU target, gemm_reduce groups whose rows are too wide for one thread block, or
+        that the gemm_reduce rule cannot tile, stay with vanilla fusion (``get_pipeline``
+        passes its target).
     kinds : tuple of str
         Group kinds to outline. ``"b2b_gemm"`` groups are detected by :func:`analyze` but not
         outlined until a back-to-back schedule exists; their GEMM groups are outlined
