@@ -240,3 +240,25 @@ def test_recomputed_rows_drop_the_row_tile_and_need_whole_row_tiles():
     codegen.compile_with_nvcc(codegen.cuda_source(build_kernel(recomputed, target)), "sm_90")
     partial = fused_group(wl.post_norm(100, 64, 768, "float16", "layer_norm", linear=True), target)
     assert GemmRowTile().scheduled(tvm.s_tir.Schedule(partial), target, configs=configs[1:]) == [(configs[1], None)]
+
+
+def test_min_ctas_reaches_the_kernels_launch_bounds():
+    """``MmaConfig(min_ctas=2)``: the rule's root-block annotation (replayed by MetaSchedule
+    traces) becomes ``__launch_bounds__(threads, 2)`` on the fused kernel, and nvcc takes it;
+    without it the bounds name the thread count only."""
+    import re  # pylint: disable=import-outside-toplevel
+
+    import tvm  # pylint: disable=import-outside-toplevel
+    from tvm_comfuse.schedule import GemmRowTile  # pylint: disable=import-outside-toplevel
+    from tvm_comfuse.schedule.config import MmaConfig  # pylint: disable=import-outside-toplevel
+    from tvm_comfuse.schedule.space_check import build_kernel, fused_group  # pylint: disable=import-outside-toplevel
+
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
+    base = dict(bm=32, bk=32, warps_m=1, warps_n=8, stages=2, epilogue_vec=4, stage_rows=False)
+    func = fused_group(wl.post_norm(128, 64, 768, "float16", "layer_norm", linear=True), target)
+    configs = [MmaConfig(**base), MmaConfig(**base, min_ctas=2)]
+    sources = [codegen.cuda_source(build_kernel(sch, target))
+               for _, sch in GemmRowTile().scheduled(tvm.s_tir.Schedule(func), target, configs=configs)]
+    bounds = [set(re.findall(r"__launch_bounds__\(([^)]*)\)", src)) for src in sources]
+    assert bounds == [{"256"}, {"256, 2"}]
+    codegen.compile_with_nvcc(sources[1], "sm_90")

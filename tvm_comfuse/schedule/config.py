@@ -68,6 +68,9 @@ class MmaConfig:
     #: bm 32, N 768, which leaves room for two CTAs per SM; not in the search space: no faster
     #: with one CTA per SM, notebooks/results/NOTES.md, session 5)
     stage_rows: bool = True
+    #: CTAs per SM the kernel is built for (``__launch_bounds__(threads, min_ctas)``: ptxas caps
+    #: the registers per thread to fit them); not in the search space until the GPU measures it
+    min_ctas: int = 1
 
     @property
     def warps(self) -> int:

@@ -31,6 +31,7 @@ from .blocks import (
     tile_symbolic_rows, writes_output, written_buffers,
 )
 from .config import MmaConfig, RowTileConfig, candidates, default
+from .lowering import MIN_CTAS_ATTR
 from .mma_mainloop import gemm_maps, schedule_mma_mainloop
 from .row_epilogue import bind_spatial, schedule_cluster_row_epilogue, schedule_row_epilogue, split_reductions
 from .simt_mainloop import schedule_simt_mainloop
@@ -118,7 +119,9 @@ class GemmRowTile(ScheduleRule):
             return []
         flatten_batch_rows(sch, g)
         n = _static_width(sch, g.mainloop)
-        if n is None or not _rows_supported(sch, g.mainloop):
+        if n is None or n < 2 or not _rows_supported(sch, g.mainloop):
+            # n = 1: nothing to reduce on chip, and with M = 1 the row reductions' barriers
+            # end up inside a predicate, which TVM's ThreadSync rejects (fuzz seed 423)
             return []
         arch = str(target.attrs.get("arch", ""))
         if _tensor_core_eligible(sch, g, n, arch):
@@ -205,6 +208,8 @@ def _schedule(sch: s_tir.Schedule, cfg) -> s_tir.Schedule:
         schedule_row_epilogue(sch, bx, rest, outputs, cfg.warps, getattr(cfg, "epilogue_vec", 1), (cfg.bm, m_rows))
         tile_symbolic_rows(sch, cfg.bm)
     _check_row_tiles(sch)
+    if getattr(cfg, "min_ctas", 1) > 1:
+        sch.annotate(sch.get_sblock("root"), MIN_CTAS_ATTR, cfg.min_ctas)
     return sch
 
 

@@ -16,6 +16,12 @@
    ``allgather`` intrinsic the compile-time attribute ``__cluster_dims__(ranks, 1, 1)``;
    cluster rank is then ``blockIdx.x``, which is how the rule binds the column slices.
 
+4. A kernel that should run several CTAs per SM (``MmaConfig.min_ctas``) needs
+   ``__launch_bounds__(threads, min_ctas)``, which TVM's CUDA codegen prints from the device
+   function's ``tirx.launch_bounds_min_blocks_per_sm`` attribute. The rule annotates the root
+   block (:data:`MIN_CTAS_ATTR`, so MetaSchedule traces replay it); the pipeline moves it onto
+   the PrimFunc first, and onto its kernels once SplitHostDevice has made them.
+
 ``cp.async`` additionally needs ``tirx.use_async_copy``, and CSE must not hide the fragment
 offsets from LowerWarpMemory (``tirx.disable_cse_tir``): :data:`PASS_CONFIG`.
 """
@@ -30,12 +36,48 @@ from tvm import tirx
 
 TIR_PIPELINE = "comfuse"
 PASS_CONFIG = {"tirx.use_async_copy": True, "tirx.disable_cse_tir": True}
+#: Root-block annotation (and then PrimFunc attribute): CTAs per SM the kernel is built for.
+MIN_CTAS_ATTR = "comfuse.min_ctas"
+_KERNEL_MIN_BLOCKS = "tirx.launch_bounds_min_blocks_per_sm"
+
+
+@tvm.transform.module_pass(opt_level=0, name="ComFuseMinCtasToAttr")
+def _min_ctas_to_attr(mod, _ctx):
+    """The root block's :data:`MIN_CTAS_ATTR` annotation as a PrimFunc attribute."""
+    updates = {}
+    for gv, func in mod.functions_items():
+        block = getattr(func.body, "block", None) if isinstance(func, tirx.PrimFunc) else None
+        if block is not None and MIN_CTAS_ATTR in block.annotations:
+            updates[gv] = func.with_attr(MIN_CTAS_ATTR, int(block.annotations[MIN_CTAS_ATTR]))
+    if not updates:
+        return mod
+    mod = mod.clone()
+    for gv, func in updates.items():
+        mod.update_func(gv, func)
+    return mod
+
+
+@tvm.transform.module_pass(opt_level=0, name="ComFuseMinCtasToKernels")
+def _min_ctas_to_kernels(mod, _ctx):
+    """After SplitHostDevice: each kernel of a PrimFunc with :data:`MIN_CTAS_ATTR` (named
+    ``<function>_kernel...`` by SplitHostDevice) gets the launch-bounds attribute."""
+    wanted = {gv.name_hint: int(f.attrs[MIN_CTAS_ATTR]) for gv, f in mod.functions_items()
+              if isinstance(f, tirx.PrimFunc) and f.attrs is not None and MIN_CTAS_ATTR in f.attrs}
+    if not wanted:
+        return mod
+    mod = mod.clone()
+    for gv, func in list(mod.functions_items()):
+        host = next((h for h in wanted if gv.name_hint.startswith(f"{h}_kernel")), None)
+        if host is not None and isinstance(func, tirx.PrimFunc):
+            mod.update_func(gv, func.with_attr(_KERNEL_MIN_BLOCKS, wanted[host]))
+    return mod
 
 
 def _pipeline():
     from tvm.s_tir.pipeline import default_s_tir_pipeline  # pylint: disable=import-outside-toplevel
 
-    main, finalize_host, finalize_device = default_s_tir_pipeline()
+    s_tir_main, finalize_host, finalize_device = default_s_tir_pipeline()
+    main = tvm.transform.Sequential([_min_ctas_to_attr, s_tir_main, _min_ctas_to_kernels])
 
     @tvm.transform.module_pass(opt_level=0, name="RepeatLowerWarpMemory")
     def _lower_warp(mod, _ctx):

@@ -24,8 +24,9 @@ def sweep(name: str, configs: list, shapes=SHAPES) -> dict:
         base = shape["rows"][0].get("us")
         for r in shape["rows"]:
             c = r["config"]
-            label = f"bm{c['bm']} {c['warps_m']}x{c['warps_n']} st{c['stages']} S{c['splits']} vec{c['epilogue_vec']}"
+            label = (f"bm{c['bm']} {c['warps_m']}x{c['warps_n']} st{c['stages']} S{c['splits']} vec{c['epilogue_vec']}"
+                     + ("" if c.get("stage_rows", True) else " recomputed") + (f" {c['min_ctas']} CTAs/SM" if c.get("min_ctas", 1) > 1 else ""))
             us = r.get("us")
-            print(f"{shape['M']}x{shape['K']}x{shape['N']} {label:32s} "
+            print(f"{shape['M']}x{shape['K']}x{shape['N']} {label:48s} "
                   + (f"{us:7.1f} us  x{base / us:4.2f}  err {r['max_abs_err']:.3g}" if us and base else r.get("error", "")))
     return report
