@@ -96,12 +96,15 @@ def kernel_us(torch, fn, iters: int = 20) -> tuple:
 
 
 def _tvm_callable(torch, mod, args, comfuse: bool, target, database=None):
+    return _vm_callable(torch, compile_module(mod, target, comfuse=comfuse, database=database), args)
+
+
+def _vm_callable(torch, ex, args):
+    """``(run, run_and_return_output)`` for a built Relax executable on the GPU."""
     import tvm  # pylint: disable=import-outside-toplevel
 
-    ex = compile_module(mod, target, comfuse=comfuse, database=database)
-    vm = tvm.relax.VirtualMachine(ex, tvm.cuda(0))
+    f = tvm.relax.VirtualMachine(ex, tvm.cuda(0))["main"]
     tvm_args = [tvm.runtime.from_dlpack(a) for a in args]
-    f = vm["main"]
 
     def first(out):  # an imported model returns a one-element tuple
         return out[0] if isinstance(out, (tvm.ir.Array, list, tuple)) else out
@@ -112,15 +115,11 @@ def _tvm_callable(torch, mod, args, comfuse: bool, target, database=None):
 def _vanilla_tuned_callable(torch, mod, args, target, trials: int = VANILLA_TRIALS):
     import tempfile  # pylint: disable=import-outside-toplevel
 
-    import tvm  # pylint: disable=import-outside-toplevel
-
     from .runtime import compile_vanilla_tuned  # pylint: disable=import-outside-toplevel
 
     with tempfile.TemporaryDirectory(prefix="comfuse-bench-ms-") as work_dir:
         ex = compile_vanilla_tuned(mod, target, trials, work_dir)
-    f = tvm.relax.VirtualMachine(ex, tvm.cuda(0))["main"]
-    tvm_args = [tvm.runtime.from_dlpack(a) for a in args]
-    return lambda: f(*tvm_args), lambda: torch.from_dlpack(f(*tvm_args))
+    return _vm_callable(torch, ex, args)
 
 
 def _contenders(torch, shape, norm, dtype, args, which, target):

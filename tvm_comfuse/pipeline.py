@@ -90,18 +90,21 @@ def _check_logs_target(path: str, records: str, target: tvm.target.Target) -> No
         )
 
 
-def fusion_passes(target=None):
-    """FuseComputeMemory, then the vanilla legalisation and fusion of the rest, then the
-    annotation of the fused PrimFuncs: everything up to scheduling."""
+def vanilla_fusion_passes():
+    """TVM's own legalisation and operator fusion, as its default pipeline runs them."""
     return [
-        FuseComputeMemory(target=target),
         relax.transform.LegalizeOps(),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),
         relax.transform.FuseOps(),
         relax.transform.FuseTIR(),
-        AnnotateFusedBlocks(),
     ]
+
+
+def fusion_passes(target=None):
+    """FuseComputeMemory, then the vanilla legalisation and fusion of the rest, then the
+    annotation of the fused PrimFuncs: everything up to scheduling."""
+    return [FuseComputeMemory(target=target), *vanilla_fusion_passes(), AnnotateFusedBlocks()]
 
 
 def schedule_passes(target: tvm.target.Target, database=None):

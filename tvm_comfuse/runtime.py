@@ -8,7 +8,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from .pipeline import get_pipeline
+from .pipeline import get_pipeline, vanilla_fusion_passes
 from .schedule.lowering import PASS_CONFIG, TIR_PIPELINE
 from .target import parse_target, tuning_target
 
@@ -38,10 +38,8 @@ def compile_vanilla_tuned(mod: tvm.IRModule, target, trials_per_task: int, work_
     target = tuning_target(target)
     if "cuda" in target.kind.name:  # the stock tensor-core rules need TVM's CUDA intrinsics registered
         importlib.import_module("tvm.s_tir.tensor_intrin.cuda")
-    fuse = [relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(), relax.transform.FoldConstant(),
-            relax.transform.FuseOps(), relax.transform.FuseTIR()]
     with target:
-        fused = tvm.transform.Sequential(fuse)(mod)
+        fused = tvm.transform.Sequential(vanilla_fusion_passes())(mod)
     tasks = ms.relax_integration.extract_tasks(fused, target)
     database = ms.relax_integration.tune_relax(
         fused, params={}, target=target, work_dir=work_dir, max_trials_global=trials_per_task * max(len(tasks), 1),
