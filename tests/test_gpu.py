@@ -87,9 +87,10 @@ def test_batched_rows_match_pytorch(B, S, dtype):
 
 @pytest.mark.parametrize(
     "M, K, N, limit",
-    # the first three: whole rows per CTA; the rest (M a multiple of the row tile): the
-    # defaults' rows split over a cluster, exchanging statistics through distributed smem
-    [(333, 200, 768, None), (1000, 768, 1024, None), (1, 64, 72, 8), (1024, 256, 768, 12), (512, 200, 1024, 12)],
+    # the first three: whole rows per CTA, staged; the rest (M a multiple of every row tile):
+    # also the recomputed rows (two CTAs per SM among them) and the rows split over a
+    # cluster, exchanging statistics through distributed smem: the whole space for N = 768
+    [(333, 200, 768, None), (1000, 768, 1024, None), (1, 64, 72, 8), (512, 200, 768, None), (512, 200, 1024, 12)],
 )
 def test_every_configuration_the_tuner_may_pick_is_correct(M, K, N, limit):
     """MetaSchedule keeps the fastest configuration and never checks its numerics, so every

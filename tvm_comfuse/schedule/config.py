@@ -20,6 +20,13 @@ from dataclasses import dataclass
 MAX_ACC_REGS = 128
 #: Dynamic shared memory per thread block with the opt-in carve-out; sm_90: 227 KiB.
 SMEM_DYN_BYTES = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024, "sm_90": 227 * 1024}
+#: Shared memory of one SM, which the CTAs resident on it share (``min_ctas`` > 1).
+SMEM_PER_SM_BYTES = {"sm_80": 164 * 1024, "sm_86": 100 * 1024, "sm_89": 100 * 1024, "sm_90": 228 * 1024}
+#: Shared memory the driver reserves per resident CTA (1 KiB since sm_80).
+SMEM_DRIVER_RESERVE = 1024
+#: 32-bit registers of one SM; ptxas keeps what a thread uses beyond its accumulators (operand
+#: fragments, addresses) around this many registers.
+REGS_PER_SM, NON_ACC_REGS = 65536, 32
 #: Static ``__shared__`` arrays are capped at 48 KiB on every architecture.
 SMEM_STATIC_BYTES = 48 * 1024
 #: What the mma kernels' static ``__shared__`` arrays (the epilogue's cross-warp reduction
@@ -38,6 +45,11 @@ CLUSTER_SIZES = (2, 4, 8)
 def has_clusters(arch: str | None) -> bool:
     """Thread-block clusters and distributed shared memory: sm_90 and later."""
     return bool(arch) and arch.startswith("sm_") and int("".join(c for c in arch[3:] if c.isdigit()) or 0) >= 90
+
+
+def smem_per_sm(arch: str | None) -> int:
+    """Shared memory of one SM on ``arch`` (0 when unknown: then only one CTA per SM is planned)."""
+    return SMEM_PER_SM_BYTES.get((arch or "").rstrip("a"), 0)
 
 
 def smem_limit(arch: str | None, dynamic: bool) -> int:
@@ -120,7 +132,17 @@ class MmaConfig:
             and self.warps <= 32
             and self.smem_bytes(n) + SMEM_STATIC_RESERVE <= smem_limit(arch, dynamic=True)
             and self.acc_regs(n) <= MAX_ACC_REGS
+            and self._resident(n, arch)
         )
+
+    def _resident(self, n: int, arch: str | None) -> bool:
+        """``min_ctas`` CTAs fit one SM together: their shared memory, and registers enough for
+        the accumulators once ptxas caps each thread at the SM's share."""
+        if self.min_ctas == 1:
+            return True
+        per_cta = self.smem_bytes(n) + SMEM_STATIC_RESERVE + SMEM_DRIVER_RESERVE
+        regs = REGS_PER_SM // (32 * self.warps * self.min_ctas)
+        return self.min_ctas * per_cta <= smem_per_sm(arch) and self.acc_regs(n) <= regs - NON_ACC_REGS
 
 
 @dataclass(frozen=True)
@@ -145,19 +167,23 @@ class RowTileConfig:
 
 
 #: The search space of each configuration type (filtered by ``fits`` per target and row).
+#: Tensor cores: whole rows with the vectorised epilogue (1.2-1.4x faster than the scalar one
+#: on every H200 suite shape; scalar epilogues stay among the defaults, as fallbacks), staged
+#: or recomputed rows (48 KiB less at bm 32, N 768: room for a 64-deep K step, 64-row tiles or
+#: two CTAs per SM, one CTA's epilogue beside the other's mainloop), then rows split over a
+#: cluster (what fits when a whole row does not; slower where both fit: NOTES.md, session 4).
 SPACES = {
     MmaConfig: [
-        MmaConfig(bm=bm, bk=bk, warps_m=wm, warps_n=wn, stages=st)
-        for bm, bk, wm, wn, st in itertools.product((32, 16, 64), (32, 64), (1, 2), (8, 4), (3, 2, 4))
-    ]
-    + [  # the whole-row configurations with a vectorised, unrolled epilogue (1.2-1.4x faster
-        # than the scalar one on the H200's suite shapes)
         MmaConfig(bm=bm, bk=32, warps_m=wm, warps_n=wn, stages=st, epilogue_vec=4)
         for bm, wm, wn, st in itertools.product((32, 16), (1, 2), (8, 4), (2, 3))
     ]
     + [
-        MmaConfig(bm=bm, bk=bk, warps_m=wm, warps_n=wn, stages=st, splits=sp, epilogue_vec=4)
-        for sp, bm, bk, (wm, wn), st in itertools.product((4, 2, 8), (128, 64), (32, 64), ((2, 4), (4, 2), (2, 2)), (3, 4))
+        MmaConfig(bm=bm, bk=bk, warps_m=wm, warps_n=8, stages=st, epilogue_vec=4, stage_rows=False, min_ctas=ctas)
+        for ctas, bm, bk, wm, st in itertools.product((2, 1), (32, 16, 64), (32, 64), (1, 2), (2, 3))
+    ]
+    + [
+        MmaConfig(bm=bm, bk=32, warps_m=2, warps_n=wn, stages=3, splits=sp, epilogue_vec=4)
+        for sp, bm, wn in itertools.product((2, 4, 8), (64, 128), (8, 4))
     ],
     RowTileConfig: [
         RowTileConfig(bm=bm, warps=w, bk=bk)

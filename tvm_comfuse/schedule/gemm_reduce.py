@@ -235,9 +235,11 @@ def _check_row_tiles(sch: s_tir.Schedule) -> None:
 
 def mma_candidates(arch: str, n: int, rows) -> list:
     """The tensor-core configurations for ``rows x n`` (defaults first): a row split over a
-    cluster needs whole row tiles, so only a static ``rows``, a multiple of ``bm``, gets one."""
+    cluster and recomputed rows need whole row tiles, so only a static ``rows``, a multiple of
+    ``bm``, gets them."""
     static = rows if isinstance(rows, int) else int(rows) if isinstance(rows, tirx.IntImm) else None
-    return [c for c in candidates(MmaConfig, arch, n) if c.splits == 1 or static is not None and static % c.bm == 0]
+    whole_tiles = lambda c: static is not None and static % c.bm == 0  # noqa: E731
+    return [c for c in candidates(MmaConfig, arch, n) if c.splits == 1 and c.stage_rows or whole_tiles(c)]
 
 
 def _keep_outputs_on_chip(sch: s_tir.Schedule, rest: list, outputs: set, copies: list) -> list:
