@@ -13,6 +13,7 @@ import importlib
 import json
 import logging
 import os
+import re
 
 import tvm
 from tvm import relax
@@ -51,15 +52,27 @@ def load_database(database, target: tvm.target.Target | None = None) -> ms.Datab
     if target is not None:
         _check_logs_target(path, records, target)
     if target is None or is_gpu(target):
-        register_tensor_intrinsics()
+        register_tensor_intrinsics(records)
     return ms.database.JSONDatabase(path_workload=workload, path_tuning_record=records, allow_missing=False)
 
 
-def register_tensor_intrinsics() -> None:
-    """Register TVM's CUDA tensor intrinsics (~20 s, once per process). A JSONDatabase parses
-    every trace when it opens, and the tensor-core kernels' traces name these intrinsics: without
-    them, loading GPU logs fails with "TensorIntrin 'mma_fill_16x16_f32' is not registered"."""
+def register_tensor_intrinsics(records: str | None = None) -> None:
+    """Register TVM's CUDA tensor intrinsics (~20 s, once per process), and the cluster
+    exchanges the tuning records in the file ``records`` name. A JSONDatabase parses every trace
+    when it opens, and the tensor-core kernels' traces name these intrinsics: without them,
+    loading GPU logs fails with "TensorIntrin 'mma_fill_16x16_f32' is not registered" (or, for
+    a row split over a cluster, 'comfuse_cluster_allgather_float32_64_x2', which the rule
+    registers only when it schedules one)."""
     import tvm.s_tir.tensor_intrin.cuda  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+
+    from .schedule.cluster import allgather  # pylint: disable=import-outside-toplevel
+
+    if records is None or not os.path.isfile(records):
+        return
+    with open(records, encoding="utf-8", errors="replace") as f:
+        named = set(re.findall(r"comfuse_cluster_allgather_(\w+?)_(\d+)_x(\d+)", f.read()))
+    for dtype, count, ranks in sorted(named):
+        allgather(dtype, int(count), int(ranks))
 
 
 def _machine(target: tvm.target.Target) -> tuple:

@@ -157,7 +157,7 @@ class WorkDir:
         from ..target import is_gpu  # pylint: disable=import-outside-toplevel
 
         if is_gpu(self.target):
-            register_tensor_intrinsics()  # GPU records name them; the database parses every record
+            register_tensor_intrinsics(self.record_path)  # GPU records name them; the database parses every record
         os.makedirs(self.path, exist_ok=True)
         if not os.path.isfile(self.meta_path):
             with open(self.meta_path, "w", encoding="utf-8") as f:
