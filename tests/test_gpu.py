@@ -163,8 +163,8 @@ def test_bert_encoder_fp16_on_gpu():
 #: ``r -> (r // S, r % S)``): the rule now rejects such schedules and DLight takes them. The
 #: rest (NaN positions differing from vanilla TVM on NaN/Inf inputs) are open, strict xfail so
 #: a fix shows.
-GPU_FUZZ_FIXED = (19, 59, 78, 39, 40, 93, 20, 86, 160, 77)  # 77: failed at 746b77e (unrolled reductions, reverted)
-GPU_FUZZ_OPEN = (120, 177)
+GPU_FUZZ_FIXED = (19, 59, 78, 39, 40, 93, 20, 86, 160, 77, 177)  # 77: failed at 746b77e (unrolled reductions, reverted)
+GPU_FUZZ_OPEN = (120,)  # 177 (N = 1) passed at 356d81c: one-column rows go to DLight since 06994e8
 
 
 @pytest.mark.parametrize(
