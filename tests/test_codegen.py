@@ -287,3 +287,32 @@ def test_two_ctas_per_sm_are_offered_only_where_both_fit():
     assert not any(c.min_ctas > 1 for c in candidates(MmaConfig, "sm_90a", 1024))
     for cfg in (c for c in offered if c.min_ctas > 1):
         assert cfg.min_ctas * (cfg.smem_bytes(768) + 9 * 1024) <= 228 * 1024, cfg
+
+
+@pytest.mark.parametrize("dtype, cfg", [("float16", (128, 256, 4)), ("bfloat16", (64, 128, 3))])
+def test_wgmma_mainloop_compiles_to_wgmma_for_sm90a(dtype, cfg):
+    """The Hopper mainloop prototype (issue 8): the tirx GEMM's PTX issues wgmma.mma_async from
+    shared-memory descriptors, and ptxas accepts it for sm_90a."""
+    from tvm_comfuse.schedule import wgmma_mainloop as wm  # pylint: disable=import-outside-toplevel
+
+    bm, bn, stages = cfg
+    source = codegen.cuda_source(wm.build(wm.wgmma_gemm(256, 512, 320, dtype, wm.WgmmaConfig(bm, bn, stages))))
+    ptx = codegen.compile_with_nvcc(source, "sm_90a", fmt="ptx").decode()
+    t = {"float16": "f16", "bfloat16": "bf16"}[dtype]
+    body = ptx[ptx.index(".entry"):]
+    # 4 k16 steps per K step of 64, the K loop rolled or unrolled (5 K steps) by nvcc
+    assert body.count(f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.{t}.{t}") in (4, 20)
+    assert "wgmma.wait_group.sync.aligned" in body and "cp.async.cg.shared.global" in body
+    assert codegen.compile_with_nvcc(source, "sm_90a")[:4] == b"\x7fELF"
+
+
+def test_wgmma_mainloop_rejects_tiles_it_cannot_run():
+    """A tile that does not divide the GEMM or does not fit shared memory is refused with what to change."""
+    from tvm_comfuse.schedule import wgmma_mainloop as wm  # pylint: disable=import-outside-toplevel
+
+    with pytest.raises(cf.ComFuseError, match="multiples of bm = 128"):
+        wm.wgmma_gemm(100, 256, 256)
+    with pytest.raises(cf.ComFuseError, match="shared memory"):
+        wm.wgmma_gemm(256, 256, 256, cfg=wm.WgmmaConfig(128, 256, 6))
+    with pytest.raises(cf.ComFuseError, match="dtype float32"):
+        wm.wgmma_gemm(256, 256, 256, "float32")

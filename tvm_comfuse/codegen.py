@@ -33,7 +33,8 @@ def have_nvcc() -> bool:
     return shutil.which("nvcc") is not None
 
 
-def compile_with_nvcc(source: str, arch: str = "sm_90") -> bytes:
-    """Compile CUDA source to a cubin for ``arch`` with nvcc; raise RuntimeError on failure."""
+def compile_with_nvcc(source: str, arch: str = "sm_90", fmt: str = "cubin") -> bytes:
+    """Compile CUDA source to a cubin (or ``fmt="ptx"``) for ``arch`` with nvcc; raise
+    RuntimeError on failure."""
     with tvm.target.Target({"kind": "cuda", "arch": arch}):  # nvcc.compile_cuda reads it
-        return bytes(nvcc.compile_cuda(source, target_format="cubin", arch=arch, compiler="nvcc"))
+        return bytes(nvcc.compile_cuda(source, target_format=fmt, arch=arch, compiler="nvcc"))

@@ -1,0 +1,73 @@
+"""How close does TVM's tirx wgmma mainloop get to cuBLAS? (issue 8, prepared in session 7 on CPU)
+
+The mma.sync mainloop reaches 428 TFLOP/s as a plain 4096^3 fp16 GEMM on the H200 (0.55x of
+cuBLAS's ~780), and the fused kernels inherit that ceiling. ``tvm_comfuse.schedule.wgmma_mainloop``
+is a plain GEMM on sm_90a's ``wgmma.mma_async`` (both operands from 128-byte-swizzled shared
+memory, cp.async ring, one warpgroup per 64 rows), written in TVM's tirx dialect. It has only
+been compiled (nvcc 13, sm_90a: 166 registers at 128x256, no spills), never run.
+
+Prediction: correct to fp32-accumulation accuracy (max abs error like cuBLAS's) at every shape;
+faster than the mma.sync prototype, ~0.6-0.7x of cuBLAS at 4096^3 with 128x256 tiles (all threads
+both load and compute, and ``wait_group 0`` each K step leaves the tensor cores idle across the
+barrier); well below cuBLAS on the N = 768 shapes (too few tiles for 132 SMs). If it is at or
+above 0.6x, the next steps are a TMA + warp-specialised producer and the row epilogue.
+
+Run on the GPU: ``bash .ci/gpu-run notebooks/results/experiments/wgmma_gemm.py`` (writes
+``$OUT/wgmma-gemm.json``).
+"""
+
+import json
+import os
+
+import torch
+
+from tvm_comfuse import bench
+from tvm_comfuse.schedule.space_check import _median_us
+from tvm_comfuse.schedule.wgmma_mainloop import WgmmaConfig, build, wgmma_gemm
+
+import tvm
+
+SHAPES = [(4096, 4096, 4096, "float16"), (4096, 768, 768, "float16"), (4096, 4096, 4096, "bfloat16"),
+          (8192, 4096, 4096, "float16")]  # M, K, N; most telling first (a run cut short keeps them)
+CONFIGS = [WgmmaConfig(128, 256, 4), WgmmaConfig(128, 128, 4), WgmmaConfig(128, 256, 3), WgmmaConfig(64, 256, 4),
+           WgmmaConfig(128, 128, 6)]
+
+
+def main():
+    rows, gen = [], torch.Generator(device="cuda").manual_seed(0)
+    for m, k, n, dtype in SHAPES:
+        tdt = getattr(torch, dtype)
+        a = torch.randn(m, k, device="cuda", dtype=tdt, generator=gen)
+        b = torch.randn(n, k, device="cuda", dtype=tdt, generator=gen) / k**0.5
+        ref = a.float() @ b.float().T
+        flops = 2 * m * n * k
+        cublas = torch.matmul(a, b.T)
+        base = dict(M=m, K=k, N=n, dtype=dtype)
+        us = _median_us(torch, lambda: torch.matmul(a, b.T))  # noqa: B023
+        rows.append(dict(base, contender="cublas", us=us, tflops=flops / us / 1e6,
+                         max_abs_err=float((cublas.float() - ref).abs().max())))
+        print(f"{m}x{k}x{n} {dtype} cuBLAS: {us:.1f} us, {flops / us / 1e6:.0f} TFLOP/s", flush=True)
+        for cfg in CONFIGS:
+            row = dict(base, contender="wgmma", config=dict(bm=cfg.bm, bn=cfg.bn, stages=cfg.stages))
+            try:
+                kernel = build(wgmma_gemm(m, n, k, dtype, cfg))["main"]
+                c = torch.full((m, n), float("nan"), device="cuda", dtype=tdt)
+                args = [tvm.runtime.from_dlpack(t) for t in (a, b, c)]
+                kernel(*args)
+                torch.cuda.synchronize()
+                row["max_abs_err"] = float((c.float() - ref).abs().max())
+                row["us"] = _median_us(torch, lambda: kernel(*args))  # noqa: B023
+                row["tflops"] = flops / row["us"] / 1e6
+                row["vs_cublas"] = us / row["us"]
+            except Exception as err:  # pylint: disable=broad-except
+                row["error"] = (str(err).strip().splitlines() or [type(err).__name__])[-1][:200]
+            rows.append(row)
+            print(f"  {cfg}: " + (f"err {row['max_abs_err']:.3g}, {row['us']:.1f} us, {row['tflops']:.0f} TFLOP/s, "
+                                  f"{row['vs_cublas']:.2f}x cuBLAS" if "us" in row else row["error"]), flush=True)
+    out = os.path.join(os.environ.get("OUT", "."), "wgmma-gemm.json")
+    with open(out, "w", encoding="utf-8") as f:
+        json.dump({"environment": bench.environment(), "units": "us per call (median of CUDA-event means)", "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
