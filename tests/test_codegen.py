@@ -1,5 +1,7 @@
 """CUDA code generation for sm_90 without a GPU: the fused groups' kernels compile with nvcc."""
 
+import re
+
 import pytest
 
 import tvm_comfuse as cf
@@ -316,3 +318,29 @@ def test_wgmma_mainloop_rejects_tiles_it_cannot_run():
         wm.wgmma_gemm(256, 256, 256, cfg=wm.WgmmaConfig(128, 256, 6))
     with pytest.raises(cf.ComFuseError, match="dtype float32"):
         wm.wgmma_gemm(256, 256, 256, "float32")
+
+
+@pytest.mark.parametrize("N, K, norm", [(768, 768, "layer_norm"), (256, 128, "rms_norm")])
+def test_wgmma_postnorm_is_one_kernel_on_wgmma(N, K, norm):
+    """The fused Hopper post-norm (issue 8): GEMM on wgmma and the row normalisation in one
+    kernel; its only global stores are the normalised output (the un-normalised row stays in
+    registers), and ptxas accepts it for sm_90a."""
+    from tvm_comfuse.schedule import wgmma_mainloop as wm, wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
+
+    source = codegen.cuda_source(wm.build(wp.wgmma_postnorm(128, N, K, "float16", norm)))
+    assert len(codegen.kernel_names(source)) == 1
+    ptx = codegen.compile_with_nvcc(source, "sm_90a", fmt="ptx").decode()
+    assert f"wgmma.mma_async.sync.aligned.m64n{wp.default_config(N).wg_cols}k16.f32.f16.f16" in ptx
+    stores = re.findall(r"st\.global\S*", ptx)
+    assert stores and all(st in ("st.global.u16", "st.global.b16") for st in stores), set(stores)
+    assert codegen.compile_with_nvcc(source, "sm_90a")[:4] == b"\x7fELF"
+
+
+def test_wgmma_postnorm_refuses_rows_it_cannot_hold():
+    """Rows wider than the register file holds, or an unknown norm, are refused with the reason."""
+    from tvm_comfuse.schedule import wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
+
+    with pytest.raises(cf.ComFuseError, match="wider than the 768 columns"):
+        wp.wgmma_postnorm(128, 1024, 256)
+    with pytest.raises(cf.ComFuseError, match="softmax"):
+        wp.wgmma_postnorm(128, 256, 256, norm="softmax")

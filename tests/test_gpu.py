@@ -199,3 +199,25 @@ def test_gpu_wgmma_mainloop_matches_torch(M, N, K, dtype, cfg):
     kernel = wm.build(wm.wgmma_gemm(M, N, K, dtype, wm.WgmmaConfig(*cfg)))["main"]
     kernel(*[tvm.runtime.from_dlpack(t) for t in (a, b, c)])
     assert (c.float() - a.float() @ b.float().T).abs().max().item() <= TOL[dtype]
+
+
+@pytest.mark.parametrize("M, N, K, dtype, norm", [
+    (4096, 768, 768, "float16", "layer_norm"), (192, 768, 3072, "float16", "layer_norm"),
+    (128, 512, 256, "bfloat16", "layer_norm"), (256, 256, 128, "float16", "rms_norm"),
+])
+def test_gpu_wgmma_postnorm_matches_torch(M, N, K, dtype, norm):
+    """The fused Hopper post-norm (wgmma mainloop + register row epilogue) against PyTorch in fp32."""
+    import tvm  # pylint: disable=import-outside-toplevel
+
+    from tvm_comfuse.schedule import wgmma_mainloop as wm, wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
+
+    if tvm.cuda(0).compute_version != "9.0":
+        pytest.skip("wgmma needs an sm_90 GPU")
+    x, w, b, r, g, be = _inputs(M, K, N, dtype, linear=True)
+    out = torch.full((M, N), float("nan"), device="cuda", dtype=x.dtype)
+    kernel = wm.build(wp.wgmma_postnorm(M, N, K, dtype, norm))["main"]
+    kernel(*[tvm.runtime.from_dlpack(t) for t in (x, w, b, r, g, be, out)])
+    y = x.float() @ w.float().T + b.float() + r.float()
+    f = torch.nn.functional
+    ref = f.layer_norm(y, (N,), g.float(), be.float()) if norm == "layer_norm" else f.rms_norm(y, (N,), g.float(), 1e-5)
+    assert (out.float() - ref).abs().max().item() <= TOL[dtype]

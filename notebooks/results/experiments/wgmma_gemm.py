@@ -1,4 +1,4 @@
-"""How close does TVM's tirx wgmma mainloop get to cuBLAS? (issue 8, prepared in session 7 on CPU)
+"""How close do TVM's tirx wgmma kernels get to cuBLAS? (issue 8, prepared in session 7 on CPU)
 
 The mma.sync mainloop reaches 428 TFLOP/s as a plain 4096^3 fp16 GEMM on the H200 (0.55x of
 cuBLAS's ~780), and the fused kernels inherit that ceiling. ``tvm_comfuse.schedule.wgmma_mainloop``
@@ -12,6 +12,13 @@ both load and compute, and ``wait_group 0`` each K step leaves the tensor cores 
 barrier); well below cuBLAS on the N = 768 shapes (too few tiles for 132 SMs). If it is at or
 above 0.6x, the next steps are a TMA + warp-specialised producer and the row epilogue.
 
+The fused kernel on it (``wgmma_postnorm``: a CTA owns 64 whole rows, three warpgroups split
+the 768 columns, LayerNorm in registers; 168 registers with 176 bytes of spill at N = 768) is
+timed against cuBLAS's GEMM alone and eager PyTorch (GEMM, adds, ``F.layer_norm``) on the two
+N = 768 suite shapes, where ComFuse's mma.sync kernel takes 26.3 and 73.0 us (commit 1fd9920).
+Prediction: correct; 64 CTAs (M = 4096 / 64) fill under half of the 132 SMs, so at best ~2x
+cuBLAS's GEMM time, i.e. ~18 and ~55 us: faster than today's kernel, not yet than torch.compile.
+
 Run on the GPU: ``bash .ci/gpu-run notebooks/results/experiments/wgmma_gemm.py`` (writes
 ``$OUT/wgmma-gemm.json``).
 """
@@ -24,6 +31,7 @@ import torch
 from tvm_comfuse import bench
 from tvm_comfuse.schedule.space_check import _median_us
 from tvm_comfuse.schedule.wgmma_mainloop import WgmmaConfig, build, wgmma_gemm
+from tvm_comfuse.schedule.wgmma_postnorm import default_config, wgmma_postnorm
 
 import tvm
 
@@ -64,9 +72,40 @@ def main():
             rows.append(row)
             print(f"  {cfg}: " + (f"err {row['max_abs_err']:.3g}, {row['us']:.1f} us, {row['tflops']:.0f} TFLOP/s, "
                                   f"{row['vs_cublas']:.2f}x cuBLAS" if "us" in row else row["error"]), flush=True)
+    rows += postnorm()
     out = os.path.join(os.environ.get("OUT", "."), "wgmma-gemm.json")
     with open(out, "w", encoding="utf-8") as f:
         json.dump({"environment": bench.environment(), "units": "us per call (median of CUDA-event means)", "rows": rows}, f, indent=1)
+
+
+def postnorm():
+    """LayerNorm(x @ w.T + b + r) on the N = 768 suite shapes: the fused wgmma kernel (both ring
+    depths) against cuBLAS's GEMM alone and eager PyTorch."""
+    rows, gen, f = [], torch.Generator(device="cuda").manual_seed(1), torch.nn.functional
+    for m, k, n in [(4096, 768, 768), (4096, 3072, 768)]:
+        rnd = lambda *s: torch.randn(*s, device="cuda", dtype=torch.float16, generator=gen)  # noqa: E731
+        x, w, b, r, g, be = rnd(m, k), rnd(n, k) / k**0.5, rnd(n), rnd(m, n), rnd(n), rnd(n)
+        ref = f.layer_norm(x.float() @ w.float().T + b.float() + r.float(), (n,), g.float(), be.float())
+        base = dict(M=m, K=k, N=n, dtype="float16", op="layer_norm")
+        eager = lambda: f.layer_norm(torch.matmul(x, w.T) + b + r, (n,), g, be)  # noqa: E731
+        for name, fn in [("cublas_gemm_alone", lambda: torch.matmul(x, w.T)), ("eager", eager)]:  # noqa: B023
+            rows.append(dict(base, contender=name, us=_median_us(torch, fn)))
+            print(f"{m}x{k}x{n} layer_norm {name}: {rows[-1]['us']:.1f} us", flush=True)
+        for cfg in [default_config(n), WgmmaConfig(64, n, 4, 32, default_config(n).wg_n)]:
+            row = dict(base, contender="wgmma_postnorm", config=dict(bk=cfg.bk, stages=cfg.stages, wg_n=cfg.wg_n))
+            try:
+                kernel = build(wgmma_postnorm(m, n, k, "float16", "layer_norm", cfg))["main"]
+                out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.float16)
+                args = [tvm.runtime.from_dlpack(t) for t in (x, w, b, r, g, be, out)]
+                kernel(*args)
+                torch.cuda.synchronize()
+                row["max_abs_err"] = float((out.float() - ref).abs().max())
+                row["us"] = _median_us(torch, lambda: kernel(*args))  # noqa: B023
+            except Exception as err:  # pylint: disable=broad-except
+                row["error"] = (str(err).strip().splitlines() or [type(err).__name__])[-1][:200]
+            rows.append(row)
+            print(f"  {cfg}: " + (f"err {row['max_abs_err']:.3g}, {row['us']:.1f} us" if "us" in row else row["error"]), flush=True)
+    return rows
 
 
 if __name__ == "__main__":
