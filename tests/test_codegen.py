@@ -327,7 +327,7 @@ def test_wgmma_postnorm_is_one_kernel_on_wgmma(N, K, norm):
     registers), and ptxas accepts it for sm_90a."""
     from tvm_comfuse.schedule import wgmma_mainloop as wm, wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
 
-    source = codegen.cuda_source(wm.build(wp.wgmma_postnorm(128, N, K, "float16", norm)))
+    source = codegen.cuda_source(wm.build(wp.wgmma_postnorm(128, N, K, wp.PostNorm.suite("float16", norm))))
     assert len(codegen.kernel_names(source)) == 1
     ptx = codegen.compile_with_nvcc(source, "sm_90a", fmt="ptx").decode()
     assert f"wgmma.mma_async.sync.aligned.m64n{wp.default_config(N).wg_cols}k16.f32.f16.f16" in ptx
@@ -343,4 +343,4 @@ def test_wgmma_postnorm_refuses_rows_it_cannot_hold():
     with pytest.raises(cf.ComFuseError, match="wider than the 768 columns"):
         wp.wgmma_postnorm(128, 1024, 256)
     with pytest.raises(cf.ComFuseError, match="softmax"):
-        wp.wgmma_postnorm(128, 256, 256, norm="softmax")
+        wp.wgmma_postnorm(128, 256, 256, wp.PostNorm(norm="softmax"))

@@ -17,11 +17,11 @@ TOL = {"float16": 5e-2, "bfloat16": 2e-1}
 SHAPES = [(1, 64, 72), (100, 200, 72), (333, 96, 130), (4096, 768, 768), (1000, 3072, 768)]
 
 
-def _run_on_gpu(mod, args):
+def _run_on_gpu(mod, args, hopper=False):
     import tvm  # pylint: disable=import-outside-toplevel
 
     target = tvm.target.Target.from_device(tvm.cuda(0))
-    ex = runtime.compile_module(mod, target)
+    ex = runtime.compile_module(mod, target, hopper=hopper)
     vm = tvm.relax.VirtualMachine(ex, tvm.cuda(0))
     out = vm["main"](*[tvm.runtime.from_dlpack(a) for a in args])
     items = list(out) if isinstance(out, (tvm.ir.Array, list, tuple)) else [out]
@@ -215,9 +215,30 @@ def test_gpu_wgmma_postnorm_matches_torch(M, N, K, dtype, norm):
         pytest.skip("wgmma needs an sm_90 GPU")
     x, w, b, r, g, be = _inputs(M, K, N, dtype, linear=True)
     out = torch.full((M, N), float("nan"), device="cuda", dtype=x.dtype)
-    kernel = wm.build(wp.wgmma_postnorm(M, N, K, dtype, norm))["main"]
+    kernel = wm.build(wp.wgmma_postnorm(M, N, K, wp.PostNorm.suite(dtype, norm)))["main"]
     kernel(*[tvm.runtime.from_dlpack(t) for t in (x, w, b, r, g, be, out)])
     y = x.float() @ w.float().T + b.float() + r.float()
     f = torch.nn.functional
     ref = f.layer_norm(y, (N,), g.float(), be.float()) if norm == "layer_norm" else f.rms_norm(y, (N,), g.float(), 1e-5)
     assert (out.float() - ref).abs().max().item() <= TOL[dtype]
+
+
+@pytest.mark.parametrize("M, K, N, dtype, norm, batch", [
+    (4096, 768, 768, "float16", "layer_norm", None), (128, 3072, 768, "float16", "layer_norm", 2),
+    (512, 256, 512, "bfloat16", "rms_norm", None),
+])
+def test_gpu_hopper_pipeline_matches_pytorch(M, K, N, dtype, norm, batch):
+    """``get_pipeline(..., hopper=True)`` end to end: the post-norm group runs as the wgmma
+    kernel (linked through external_mods, called by the VM) and matches PyTorch in fp32."""
+    import tvm  # pylint: disable=import-outside-toplevel
+
+    if tvm.cuda(0).compute_version != "9.0":
+        pytest.skip("wgmma needs an sm_90 GPU")
+    mod = wl.post_norm(M, K, N, dtype, norm, linear=True, batch=batch)
+    args = _inputs(M * (batch or 1), K, N, dtype, linear=True)
+    if batch:
+        args = [args[0].reshape(batch, M, K), args[1], args[2], args[3].reshape(batch, M, N), *args[4:]]
+    (out,), kernels = _run_on_gpu(mod, args, hopper=True)
+    assert any(k.startswith("comfuse_wgmma_") for k in kernels)
+    ref = wl.post_norm_reference([a.float().cpu().numpy() for a in args], norm, linear=True)[0]
+    assert (out.cpu().double() - torch.from_numpy(ref)).abs().max().item() <= TOL[dtype]

@@ -23,7 +23,7 @@ from tvm.s_tir import meta_schedule as ms
 from .errors import ComFuseError
 from .schedule import GemmRowTile
 from .target import is_gpu, parse_target
-from .transform import AnnotateFusedBlocks, FuseComputeMemory
+from .transform import AnnotateFusedBlocks, FuseComputeMemory, OffloadHopperPostNorm
 from .transform.fuse_compute_memory import KIND_ATTR
 
 LOG = logging.getLogger("tvm_comfuse")
@@ -114,10 +114,12 @@ def vanilla_fusion_passes():
     ]
 
 
-def fusion_passes(target=None):
-    """FuseComputeMemory, then the vanilla legalisation and fusion of the rest, then the
-    annotation of the fused PrimFuncs: everything up to scheduling."""
-    return [FuseComputeMemory(target=target), *vanilla_fusion_passes(), AnnotateFusedBlocks()]
+def fusion_passes(target=None, hopper: bool = False):
+    """FuseComputeMemory (and, with ``hopper``, the wgmma kernels for the post-norm groups they
+    take), then the vanilla legalisation and fusion of the rest, then the annotation of the
+    fused PrimFuncs: everything up to scheduling."""
+    offload = [OffloadHopperPostNorm(target)] if hopper and target is not None else []
+    return [FuseComputeMemory(target=target), *offload, *vanilla_fusion_passes(), AnnotateFusedBlocks()]
 
 
 def schedule_passes(target: tvm.target.Target, database=None):
@@ -200,7 +202,7 @@ def _backend(target: tvm.target.Target):
     return importlib.import_module(f"tvm.relax.backend.{name}.pipeline")
 
 
-def get_pipeline(target, database=None) -> tvm.transform.Pass:
+def get_pipeline(target, database=None, hopper: bool = False) -> tvm.transform.Pass:
     """The Relax pipeline for ``tvm.compile(mod, target, relax_pipeline=get_pipeline(target))``.
 
     Parameters
@@ -210,6 +212,10 @@ def get_pipeline(target, database=None) -> tvm.transform.Pass:
         "sm_90"}``) or ``"llvm"``.
     database : str, os.PathLike or tvm.s_tir.meta_schedule.Database, optional
         Tuning logs to apply before the defaults.
+    hopper : bool
+        On sm_90 targets, run the post-norm groups the Hopper kernel takes (wgmma mainloop,
+        whole rows up to 768 wide) as that kernel instead of the mma.sync rule's. Off by
+        default: not yet measured on a GPU (issue 8).
     """
     target = parse_target(target)
     backend = _backend(target)
@@ -221,7 +227,7 @@ def get_pipeline(target, database=None) -> tvm.transform.Pass:
         with target:
             seq = tvm.transform.Sequential(
                 backend.library_dispatch_passes(target)
-                + fusion_passes(target)
+                + fusion_passes(target, hopper)
                 + schedule_passes(target, database)
                 + backend.dataflow_lower_passes(target)
                 + backend.finalize_passes(target)

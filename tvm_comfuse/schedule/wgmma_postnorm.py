@@ -2,21 +2,25 @@
 
 ComFuse's row epilogue on :mod:`.wgmma_mainloop`'s accumulators. A CTA owns 64 whole rows;
 ``wg_n`` warpgroups split the row's N columns (``N / wg_n <= 256``, wgmma's N), so the GEMM
-result never leaves the chip: bias and residual are added to the fp32 accumulators in
-registers, each thread sums its share of its two rows, the partial sums meet in a small shared
-buffer (4 quad lanes x ``wg_n`` warpgroups per row), and the normalised row is written once.
-LayerNorm takes two passes over the registers (mean, then the centred variance: no
-cancellation), RMSNorm one.
+result never leaves the chip: the elementwise chain (casts, the bias and residual adds, in the
+graph's own dtypes: :class:`PostNorm`) runs on the fp32 accumulators in registers, each thread
+sums its share of its two rows, the partial sums meet in a small shared buffer (4 quad lanes x
+``wg_n`` warpgroups per row), and the normalised row is written once. LayerNorm takes two
+passes over the registers (mean, then the centred variance: no cancellation), RMSNorm one.
 
-Limits, from the register file: the 64 x N fp32 accumulators take ``N`` KiB... of a 256 KiB
-register file at 64 rows, so whole-row CTAs stop at N = 768 (384 threads, 128 accumulators
-each); wider rows need the row split over a thread-block cluster that the mma.sync rule has
-(:mod:`.cluster`). Not yet used by the gemm_reduce rule and not yet run: timed against cuBLAS
-+ normalisation in ``notebooks/results/experiments/wgmma_gemm.py``.
+Limits, from the register file: 64 rows x N fp32 accumulators take N / 4 KiB of the SM's
+256 KiB, so whole-row CTAs stop at N = 768 (384 threads, 128 accumulators each); wider rows
+need the row split over a thread-block cluster that the mma.sync rule has (:mod:`.cluster`).
+:class:`~tvm_comfuse.transform.OffloadHopperPostNorm` puts it in the Relax pipeline (opt-in);
+not yet run on a GPU: timed against cuBLAS in ``notebooks/results/experiments/wgmma_gemm.py``.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
+import tvm.script
 from tvm.script import tirx as T
 
 from ..errors import ComFuseError
@@ -25,6 +29,84 @@ from .wgmma_mainloop import SMEM_LIMIT, WgmmaConfig, fragment, mainloop
 NORMS = ("layer_norm", "rms_norm")
 #: Widest row a 64-row CTA holds in registers (64 x 768 fp32 = 192 of the SM's 256 KiB).
 MAX_ROW = 768
+
+
+@dataclass(frozen=True)
+class Step:
+    """One elementwise op between the GEMM and the norm, applied to the running value: ``cast``
+    to ``dtype``, or ``add`` operand ``operand`` (0 or 1) with the result in ``dtype``. The value
+    stays fp32 in registers and is rounded to ``dtype`` after each step, as the graph computes."""
+
+    op: str
+    dtype: str
+    operand: int | None = None
+
+
+@dataclass(frozen=True)
+class PostNorm:
+    """The fused group: ``out = norm(chain(x @ w.T)) * gamma (+ beta)``, cast to ``out_dtype``.
+
+    ``operands`` are the two added tensors' ``(dtype, is_tile)``: a tile is ``[M, N]`` (the
+    residual), else ``[N]`` (the bias). The norm runs in fp32 (the graph's input to it must be
+    fp32; gamma and beta are read in ``params_dtype`` and widened)."""
+
+    dtype: str = "float16"
+    steps: tuple = (Step("cast", "float16"), Step("add", "float16", 0), Step("add", "float16", 1), Step("cast", "float32"))
+    operands: tuple = (("float16", False), ("float16", True))
+    norm: str = "layer_norm"
+    eps: float = 1e-5
+    params_dtype: str = "float16"
+    out_dtype: str = "float16"
+    #: Also write the norm's float32 result (before the cast to ``out_dtype``) as a second
+    #: output: BERT keeps it for the next residual while the next GEMM reads the cast copy.
+    norm_out: bool = False
+
+    @classmethod
+    def suite(cls, dtype: str = "float16", norm: str = "layer_norm") -> PostNorm:
+        """``workloads.post_norm(..., linear=True)`` as ComFuse outlines it: the GEMM rounded
+        to ``dtype``, bias then residual added in ``dtype``, the norm in fp32, cast back."""
+        return cls(dtype, (Step("cast", dtype), Step("add", dtype, 0), Step("add", dtype, 1), Step("cast", "float32")),
+                   ((dtype, False), (dtype, True)), norm, 1e-5, dtype, dtype)
+
+    def problems(self) -> list:
+        """What the kernel cannot compute of this description (empty if nothing)."""
+        found = []
+        if self.norm not in NORMS:
+            found.append(f"norm {self.norm!r} (one of {NORMS})")
+        if sorted(s.operand for s in self.steps if s.op == "add") != [0, 1] or len(self.operands) != 2:
+            found.append("a chain without exactly two added operands (a bias and a residual)")
+        if any(s.op not in ("cast", "add") for s in self.steps):
+            found.append(f"ops {sorted({s.op for s in self.steps} - {'cast', 'add'})} in the chain (casts and adds only)")
+        if (self.steps[-1].dtype if self.steps else "float32") != "float32":
+            found.append("a norm whose input is not float32")
+        return found
+
+
+def reference(spec: PostNorm, x, w, p0, p1, gamma, beta=None) -> list:
+    """NumPy model of what the kernel computes for ``spec``: fp32 accumulation, each chain step
+    rounded to its dtype, the norm in fp32; ``[out]`` (``[out, norm]`` with ``norm_out``). The
+    oracle of the offload's CPU tests, which run it in the kernel's place."""
+    import ml_dtypes  # pylint: disable=import-outside-toplevel
+    import numpy as np  # pylint: disable=import-outside-toplevel
+
+    def np_dtype(d):
+        return ml_dtypes.bfloat16 if d == "bfloat16" else np.dtype(d)
+
+    f32 = lambda a: np.asarray(a).astype(np.float32)  # noqa: E731
+    v = f32(x).reshape(-1, x.shape[-1]) @ f32(w).T
+    ops = (f32(p0).reshape(-1, v.shape[1]) if p0.ndim > 1 else f32(p0), f32(p1).reshape(-1, v.shape[1]) if p1.ndim > 1 else f32(p1))
+    for step in spec.steps:
+        if step.op == "add":
+            v = v + ops[step.operand]
+        v = v.astype(np_dtype(step.dtype)).astype(np.float32)
+    if spec.norm == "layer_norm":
+        mean = v.mean(-1, keepdims=True)
+        y = (v - mean) / np.sqrt(((v - mean) ** 2).mean(-1, keepdims=True) + spec.eps) * f32(gamma) + f32(beta)
+    else:
+        y = v / np.sqrt((v**2).mean(-1, keepdims=True) + spec.eps) * f32(gamma)
+    y = y.reshape(*x.shape[:-1], v.shape[1]).astype(np.float32)
+    out = y.astype(np_dtype(spec.out_dtype))
+    return [out, y] if spec.norm_out else [out]
 
 
 def default_config(n: int) -> WgmmaConfig:
@@ -40,37 +122,69 @@ def default_config(n: int) -> WgmmaConfig:
     raise ComFuseError(f"wgmma post-norm: a 64 x {n} row tile does not fit shared memory twice over")
 
 
-def wgmma_postnorm(m: int, n: int, k: int, dtype: str = "float16", norm: str = "layer_norm",
-                   cfg: WgmmaConfig | None = None, eps: float = 1e-5):
-    """``out = norm(x[m, k] @ w[n, k].T + b[n] + r[m, n]) * gamma (+ beta)``, one kernel for
-    sm_90a, ``norm`` in :data:`NORMS` (RMSNorm takes no ``beta``). Static shapes, ``m`` a
-    multiple of 64, ``k`` of ``cfg.bk``, ``n`` at most :data:`MAX_ROW`."""
-    if norm not in NORMS:
-        raise ComFuseError(f"wgmma post-norm: norm {norm!r} is not one of {NORMS}")
+def problems(m, n, k, spec: PostNorm, cfg: WgmmaConfig | None = None) -> list:
+    """Everything that keeps :func:`wgmma_postnorm` from this GEMM shape and chain."""
+    found = spec.problems()
+    if not all(isinstance(d, int) for d in (m, n, k)):
+        return found + [f"symbolic shape M, N, K = {m}, {n}, {k} (static only)"]
     if n > MAX_ROW:
-        raise ComFuseError(f"wgmma post-norm: N = {n} is wider than the {MAX_ROW} columns a 64-row CTA holds in registers")
-    cfg = cfg or default_config(n)
+        return found + [f"N = {n}, wider than the {MAX_ROW} columns a 64-row CTA holds in registers"]
+    try:
+        cfg = cfg or default_config(n)
+    except ComFuseError as err:
+        return found + [str(err)]
     if cfg.bm != 64 or cfg.bn != n:
-        raise ComFuseError(f"wgmma post-norm: a CTA owns 64 whole rows (bm = 64, bn = N = {n}), got {cfg}")
-    cfg.check(m, n, k, dtype)
-    acc_n, wg_n, wg_cols, parts = cfg.wg_cols // 2, cfg.wg_n, cfg.wg_cols, 4 * cfg.wg_n
-    run = mainloop(cfg, k, dtype)
-    rms = norm == "rms_norm"
+        found.append(f"{cfg} (a CTA owns 64 whole rows: bm = 64, bn = N = {n})")
+    return found + cfg.problems(m, n, k, spec.dtype)
 
-    # pylint: disable=invalid-name,unused-variable,too-many-locals
-    @T.prim_func
-    def postnorm(x: T.handle, w: T.handle, b: T.handle, r: T.handle, g: T.handle, be: T.handle, o: T.handle):
-        A = T.match_buffer(x, (m, k), dtype, align=16)
-        B = T.match_buffer(w, (n, k), dtype, align=16)
-        bias = T.match_buffer(b, (n,), dtype)
-        res = T.match_buffer(r, (m, n), dtype)
-        gamma = T.match_buffer(g, (n,), dtype)
-        beta = T.match_buffer(be, (n,), dtype)
-        out = T.match_buffer(o, (m, n), dtype)
-        T.device_entry()
+
+def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: WgmmaConfig | None = None, lead=None):
+    """The fused kernel, a tirx PrimFunc for sm_90a with parameters ``(x[*lead, k], w[n, k],
+    operand 0, operand 1, gamma[n], beta[n] (LayerNorm only), out[*lead, n], norm[*lead, n]
+    (``spec.norm_out`` only))``: ``lead`` are the row dimensions (``(m,)`` by default; ``(B,
+    S)`` for 3-D activations, read as ``B * S`` rows through 2-D views of the same memory, so
+    the caller needs no reshape)."""
+    found = problems(m, n, k, spec, cfg)
+    if found:
+        raise ComFuseError("wgmma post-norm cannot take " + "; ".join(found))
+    cfg = cfg or default_config(n)
+    acc_n, wg_cols, parts, rms = cfg.wg_cols // 2, cfg.wg_cols, 4 * cfg.wg_n, spec.norm == "rms_norm"
+    run = mainloop(cfg, k, spec.dtype)
+    lead = tuple(lead or (m,))
+    if math.prod(lead) != m:
+        raise ComFuseError(f"wgmma post-norm: row dimensions {lead} do not multiply to M = {m}")
+    shape = [(*lead, n) if tile else (n,) for _, tile in spec.operands]
+    shape2 = [(m, n) if tile else (n,) for _, tile in spec.operands]
+
+    def chain(v, p0, p1, row, col):
+        """The elementwise chain on fp32 value ``v`` at global ``(row, col)`` (plain Python,
+        run while the kernel is parsed: one expression per accumulator)."""
+        for step in spec.steps:
+            if step.op == "add":
+                buf, (_, tile) = (p0, p1)[step.operand], spec.operands[step.operand]
+                v = v + T.cast(buf[row, col] if tile else buf[col], "float32")
+            if step.dtype != "float32":
+                v = T.cast(T.cast(v, step.dtype), "float32")
+        return v
+
+    def square(v):  # what the first pass sums: the value (LayerNorm's mean), or its square (RMSNorm's)
+        return v * v if rms else v
+
+    def shift(y, beta, col):  # LayerNorm's beta; RMSNorm has none
+        return y if beta is None else y + T.cast(beta[col], "float32")
+
+    @T.macro
+    def store(out, out2, row, col, y):
+        out[row, col] = T.cast(y, spec.out_dtype)
+        if out2 is not None:
+            out2[row, col] = y
+
+    # pylint: disable=invalid-name,unused-variable,too-many-locals,too-many-arguments
+    @T.macro
+    def body(A, B, P0, P1, gamma, beta, out, out2):
         bx = T.cta_id([m // 64])
         tx = T.thread_id([cfg.threads])
-        S = T.alloc_shared([cfg.stages, 64 + n, cfg.bk], dtype, scope="shared.dyn", align=1024)
+        S = T.alloc_shared([cfg.stages, 64 + n, cfg.bk], spec.dtype, scope="shared.dyn", align=1024)
         part = T.alloc_shared([2, 64, parts], "float32")  # per row: 4 quad lanes x wg_n warpgroups
         acc = T.alloc_local([acc_n], "float32")
         da = T.alloc_local([1], "uint64")
@@ -79,20 +193,21 @@ def wgmma_postnorm(m: int, n: int, k: int, dtype: str = "float16", norm: str = "
         stat = T.alloc_local([2, 2], "float32")  # [row half, mean / rstd]
         run(A, B, S, acc, da, db, tx, bx, 0)
         c0 = T.meta_var(tx // 128 * wg_cols)
+        r0 = T.meta_var(fragment(tx, 0)[0])
         slot = T.meta_var(tx // 128 * 4 + tx % 4)
         for h in T.unroll(2):
             s[h] = T.float32(0)
         for i in T.unroll(acc_n):
             row, col = T.meta_var(fragment(tx, i))
-            acc[i] = acc[i] + T.cast(bias[c0 + col], "float32") + T.cast(res[bx * 64 + row, c0 + col], "float32")
-            s[i // 2 % 2] = s[i // 2 % 2] + (acc[i] * acc[i] if rms else acc[i])
+            acc[i] = chain(acc[i], P0, P1, bx * 64 + row, c0 + col)
+            s[i // 2 % 2] = s[i // 2 % 2] + square(acc[i])
         for h in T.unroll(2):
-            part[0, fragment(tx, 0)[0] + 8 * h, slot] = s[h]
+            part[0, r0 + 8 * h, slot] = s[h]
         T.cuda.cta_sync()
         for h in T.unroll(2):
             stat[h, 0] = T.float32(0)
             for j in T.unroll(parts):
-                stat[h, 0] = stat[h, 0] + part[0, fragment(tx, 0)[0] + 8 * h, j]
+                stat[h, 0] = stat[h, 0] + part[0, r0 + 8 * h, j]
             stat[h, 0] = stat[h, 0] / T.float32(n)  # mean, or mean square for RMSNorm
         if not rms:
             for h in T.unroll(2):
@@ -100,20 +215,32 @@ def wgmma_postnorm(m: int, n: int, k: int, dtype: str = "float16", norm: str = "
             for i in T.unroll(acc_n):
                 s[i // 2 % 2] = s[i // 2 % 2] + (acc[i] - stat[i // 2 % 2, 0]) * (acc[i] - stat[i // 2 % 2, 0])
             for h in T.unroll(2):
-                part[1, fragment(tx, 0)[0] + 8 * h, slot] = s[h]
+                part[1, r0 + 8 * h, slot] = s[h]
             T.cuda.cta_sync()
         for h in T.unroll(2):
-            stat[h, 1] = T.float32(0)
-            if not rms:
-                for j in T.unroll(parts):
-                    stat[h, 1] = stat[h, 1] + part[1, fragment(tx, 0)[0] + 8 * h, j]
-                stat[h, 1] = T.rsqrt(stat[h, 1] / T.float32(n) + T.float32(eps))
-            else:
-                stat[h, 1] = T.rsqrt(stat[h, 0] + T.float32(eps))
+            if rms:
+                stat[h, 1] = T.rsqrt(stat[h, 0] + T.float32(spec.eps))
                 stat[h, 0] = T.float32(0)
+            else:
+                stat[h, 1] = T.float32(0)
+                for j in T.unroll(parts):
+                    stat[h, 1] = stat[h, 1] + part[1, r0 + 8 * h, j]
+                stat[h, 1] = T.rsqrt(stat[h, 1] / T.float32(n) + T.float32(spec.eps))
         for i in T.unroll(acc_n):
             row, col = T.meta_var(fragment(tx, i))
             y = T.meta_var((acc[i] - stat[i // 2 % 2, 0]) * stat[i // 2 % 2, 1] * T.cast(gamma[c0 + col], "float32"))
-            out[bx * 64 + row, c0 + col] = T.cast(y if rms else y + T.cast(beta[c0 + col], "float32"), dtype)
+            store(out, out2, bx * 64 + row, c0 + col, shift(y, beta, c0 + col))
 
-    return postnorm
+    # the parameter list depends on the spec (beta, a second output): the signature is
+    # generated, the body is the macro above
+    params = [("x", (*lead, k), spec.dtype, (m, k)), ("w", (n, k), spec.dtype, None)]
+    params += [(f"p{j}", shape[j], d, shape2[j]) for j, (d, _) in enumerate(spec.operands)]
+    params += [("gamma", (n,), spec.params_dtype, None)] + ([("beta", (n,), spec.params_dtype, None)] if not rms else [])
+    params += [("out", (*lead, n), spec.out_dtype, (m, n))] + ([("norm", (*lead, n), "float32", (m, n))] if spec.norm_out else [])
+    lines = [f"def {spec.norm}_postnorm({', '.join(f'{p}_h: T.handle' for p, *_ in params)}):"]
+    lines += [f"    {p}_p = T.match_buffer({p}_h, {shp}, {dt!r}, align=16)" for p, shp, dt, _ in params]
+    lines += ["    T.device_entry()"]
+    lines += [f"    {p} = T.decl_buffer({view}, {dt!r}, data={p}_p.data)" if view else f"    {p} = {p}_p" for p, _, dt, view in params]
+    names = [p for p, *_ in params]
+    lines += [f"    body(x, w, p0, p1, gamma, {'beta' if 'beta' in names else 'None'}, out, {'norm' if 'norm' in names else 'None'})"]
+    return tvm.script.from_source("@T.prim_func\n" + "\n".join(lines), extra_vars={"T": T, "body": body})

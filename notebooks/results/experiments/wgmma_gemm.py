@@ -31,7 +31,7 @@ import torch
 from tvm_comfuse import bench
 from tvm_comfuse.schedule.space_check import _median_us
 from tvm_comfuse.schedule.wgmma_mainloop import WgmmaConfig, build, wgmma_gemm
-from tvm_comfuse.schedule.wgmma_postnorm import default_config, wgmma_postnorm
+from tvm_comfuse.schedule.wgmma_postnorm import PostNorm, default_config, wgmma_postnorm
 
 import tvm
 
@@ -94,7 +94,7 @@ def postnorm():
         for cfg in [default_config(n), WgmmaConfig(64, n, 4, 32, default_config(n).wg_n)]:
             row = dict(base, contender="wgmma_postnorm", config=dict(bk=cfg.bk, stages=cfg.stages, wg_n=cfg.wg_n))
             try:
-                kernel = build(wgmma_postnorm(m, n, k, "float16", "layer_norm", cfg))["main"]
+                kernel = build(wgmma_postnorm(m, n, k, PostNorm.suite("float16", "layer_norm"), cfg))["main"]
                 out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.float16)
                 args = [tvm.runtime.from_dlpack(t) for t in (x, w, b, r, g, be, out)]
                 kernel(*args)

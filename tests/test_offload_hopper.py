@@ -1,0 +1,125 @@
+"""OffloadHopperPostNorm on CPU: which groups it takes, that the rewritten graph computes the
+same values (a NumPy model of the kernel in its place, on llvm), and that on sm_90a the group
+becomes the wgmma kernel that nvcc accepts."""
+
+import logging
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+import tvm_comfuse as cf
+from tvm_comfuse import codegen, runtime
+from tvm_comfuse import workloads as wl
+from tvm_comfuse.schedule import wgmma_postnorm as wp
+from tvm_comfuse.transform import FuseComputeMemory, OffloadHopperPostNorm
+from tvm_comfuse.transform.offload_hopper import match_postnorm
+
+SM90A = {"kind": "cuda", "arch": "sm_90a"}
+
+
+def _groups(mod, target=SM90A):
+    with tvm.target.Target(target):
+        out = FuseComputeMemory(target=target)(mod)
+    return out, [f for gv, f in out.functions_items() if gv.name_hint != "main" and "gemm_reduce" in str(f.attrs)]
+
+
+def _numpy_kernels(calls):
+    """A ``build`` for the pass that registers the kernel's NumPy model under its symbol."""
+
+    def build(_func, symbol, spec):
+        def run(*args):
+            n_out = 2 if spec.norm_out else 1
+            x, w, p0, p1, gamma, *beta = [a.numpy() for a in args[:-n_out]]
+            for t, value in zip(args[-n_out:], wp.reference(spec, x, w, p0, p1, gamma, *beta)):
+                t.copyfrom(value)
+            calls.append(symbol)
+
+        tvm.register_global_func(symbol, run, override=True)
+        return None
+
+    return build
+
+
+def _random(params, seed=0):
+    import ml_dtypes  # pylint: disable=import-outside-toplevel
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for p in params:
+        shape, dtype = [int(d) for d in p.ty.shape.values], str(p.ty.dtype)
+        scale = 1 / np.sqrt(shape[-1]) if len(shape) == 2 else 1.0  # weights: O(1) activations
+        a = rng.standard_normal(shape) * scale
+        out.append(a.astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype))
+    return out
+
+
+def _run_llvm(mod, arrays):
+    ex = tvm.compile(mod, target="llvm")
+    vm = relax.VirtualMachine(ex, tvm.cpu())
+    out = vm["main"](*[tvm.runtime.tensor(a) for a in arrays])
+    items = list(out) if isinstance(out, (tvm.ir.Array, list, tuple)) else [out]
+    return [o.numpy().astype(np.float32) for o in items]
+
+
+@pytest.mark.parametrize("dtype, norm, batch", [("float16", "layer_norm", None), ("bfloat16", "rms_norm", 2)])
+def test_offloaded_suite_block_computes_what_the_graph_does(dtype, norm, batch):
+    """``norm(x @ w.T + b + r)``, 2-D and 3-D: the rewritten graph (one call_dps_packed in place
+    of the group) gives vanilla TVM's answer when the kernel's NumPy model runs in its place."""
+    mod = wl.post_norm(64, 128, 128, dtype, norm, linear=True, batch=batch)
+    arrays = _random(mod["main"].params)
+    grouped, _ = _groups(mod, "llvm")
+    calls = []
+    offloaded = OffloadHopperPostNorm("llvm", build=_numpy_kernels(calls))(grouped)
+    assert [gv.name_hint for gv in offloaded.get_global_vars()] == ["main"]
+    assert "call_dps_packed" in offloaded["main"].script()
+    (got,), (want,) = _run_llvm(offloaded, arrays), _run_llvm(mod, arrays)
+    assert len(calls) == 1
+    assert np.abs(got - want).max() <= {"float16": 2e-2, "bfloat16": 2e-1}[dtype]  # a few ulps of outputs up to ~8
+
+
+def test_offloaded_bert_layer_keeps_both_outputs_of_the_attention_block():
+    """An imported BERT layer: both LayerNorm groups are taken, the attention one returning the
+    float32 norm beside its fp16 cast (the kernel's second output), and the encoder's output
+    matches vanilla TVM's."""
+    mod, _params, _module, _example = wl.bert_encoder(layers=1, hidden=64, heads=2, batch=2, seq=32, dtype="float16")
+    arrays = _random(mod["main"].params)
+    grouped, groups = _groups(mod, "llvm")
+    found = [match_postnorm(f) for f in groups]
+    assert sorted(m[0].norm_out for m in found if m) == [False, True]
+    calls = []
+    offloaded = OffloadHopperPostNorm("llvm", build=_numpy_kernels(calls))(grouped)
+    got, want = _run_llvm(offloaded, arrays), _run_llvm(mod, arrays)
+    assert len(set(calls)) == 2
+    assert len(got) == len(want) and all(np.abs(g - w).max() <= 5e-2 for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("kw", [dict(residual_out=True), dict(act="relu"), dict(out_act="relu")])
+def test_chains_the_kernel_cannot_express_are_left_to_the_rule(kw):
+    """A second output that is not the norm, an activation before the residual, or an op after
+    the norm: the matcher declines, so the gemm_reduce rule keeps the group."""
+    _, groups = _groups(wl.post_norm(64, 128, 128, "float16", "layer_norm", linear=True, **kw))
+    assert groups and all(match_postnorm(f) is None for f in groups)
+
+
+@pytest.mark.skipif(not codegen.have_nvcc(), reason="nvcc is not installed")
+def test_sm90a_compile_runs_the_group_as_the_wgmma_kernel(caplog):
+    """``get_pipeline(..., hopper=True)`` on sm_90a: a 768-wide post-norm becomes the wgmma
+    kernel (linked, nvcc-compiled); a 1024-wide one, which the kernel cannot hold, stays with
+    the gemm_reduce rule and says why."""
+    ex = runtime.compile_module(wl.post_norm(256, 256, 768, "float16", "layer_norm", linear=True), SM90A, hopper=True)
+    names = codegen.kernel_names(codegen.cuda_source(ex))
+    assert len(names) == 1 and names[0].startswith("comfuse_wgmma_0_")
+    with caplog.at_level(logging.INFO, logger="tvm_comfuse"):
+        ex = runtime.compile_module(wl.post_norm(256, 256, 1024, "float16", "layer_norm", linear=True), SM90A, hopper=True)
+    assert not any("wgmma" in k for k in codegen.kernel_names(codegen.cuda_source(ex)))
+    assert "wider than the 768 columns" in caplog.text
+
+
+def test_hopper_is_opt_in():
+    """Without ``hopper=True`` the pipeline has no offload pass; on non-sm_90 targets the pass is a no-op."""
+    mod = wl.post_norm(256, 256, 768, "float16", "layer_norm", linear=True)
+    grouped, _ = _groups(mod, {"kind": "cuda", "arch": "sm_80"})
+    assert OffloadHopperPostNorm({"kind": "cuda", "arch": "sm_80"})(grouped).same_as(grouped)
+    assert not any(isinstance(p, OffloadHopperPostNorm) for p in cf.pipeline.fusion_passes(tvm.target.Target(SM90A)))

@@ -1,0 +1,234 @@
+"""OffloadHopperPostNorm: post-norm groups to the wgmma kernel on sm_90 (opt-in, issue 8).
+
+Runs right after FuseComputeMemory, on its outlined ``gemm_reduce`` functions. One whose body is
+a post-norm chain, as ComFuse's suite and imported BERT blocks produce it,
+
+    matmul(x, permute_dims(w)) -> casts and two adds (a bias [N], a residual [..., N])
+        -> layer_norm / rms_norm over the last axis, in float32 -> optional cast
+        (returned alone, or beside the float32 norm it was cast from)
+
+is read into a :class:`~tvm_comfuse.schedule.wgmma_postnorm.PostNorm` description; if the wgmma
+kernel takes its shape, the kernel is built for it (tirx, sm_90a), linked into the executable
+through the module's ``external_mods`` (TVM's BYOC path), and the call becomes
+``R.call_dps_packed`` of it (3-D activations are read as rows in place: no reshape). A function the
+description cannot express exactly (another op, another output, an unused binding) or the
+kernel cannot take (N > 768, M not a multiple of 64, symbolic shapes) is left alone: the
+``gemm_reduce`` rule schedules it as before. Off by default (``get_pipeline(..., hopper=True)``)
+until the kernel has been measured on a GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import tvm
+from tvm import relax
+from tvm.relax.expr_functor import PyExprMutator, mutator
+
+from ..graph import ops
+from ..target import parse_target
+from .fuse_compute_memory import KIND_ATTR
+
+LOG = logging.getLogger("tvm_comfuse")
+EXTERNAL_MODS = "external_mods"
+_NORMS = {"relax.nn.layer_norm": "layer_norm", "relax.nn.rms_norm": "rms_norm"}
+
+
+def _static(shape) -> list | None:
+    dims = [int(d) if isinstance(d, tvm.tirx.IntImm) else None for d in shape]
+    return None if None in dims else dims
+
+
+def _sinfo(expr):
+    """``(static shape or None, dtype)`` of a tensor-typed Relax expression."""
+    ty = expr.ty
+    if not isinstance(ty, relax.TensorType) or ty.shape is None:
+        return None, None
+    shape = _static(ty.shape.values) if isinstance(ty.shape, relax.ShapeExpr) else None
+    return shape, str(ty.dtype)
+
+
+def match_postnorm(func: relax.Function):
+    """``(spec, roles, (M, N, K), out_shape, order)`` for a post-norm function, or None.
+
+    ``roles`` are the indices of the function's parameters for the kernel's ``x, w, operand
+    0, operand 1, gamma[, beta]``; ``out_shape`` is ``[*rows, N]`` (rows ``(M,)`` or ``(B, S)``);
+    ``order`` names the function's outputs: ``("out",)``, or with the norm's float32 result
+    also returned, ``("out", "norm")`` or ``("norm", "out")``."""
+    from ..schedule.wgmma_postnorm import PostNorm, Step  # pylint: disable=import-outside-toplevel
+
+    body = func.body
+    if not isinstance(body, relax.SeqExpr) or len(body.blocks) != 1:
+        return None
+    var2val = {b.var: b.value for b in body.blocks[0].bindings}
+    outs = list(body.body.fields) if isinstance(body.body, relax.Tuple) else [body.body]
+    if not all(isinstance(v, relax.Var) and v in var2val for v in outs) or len(outs) > 2:
+        return None
+    order = ("out",)
+    if len(outs) == 2:  # the norm's float32 result and its cast (BERT's attention output)
+        casts = [i for i, v in enumerate(outs) if ops.op_name(var2val[v]) == "relax.astype" and var2val[v].args[0].same_as(outs[1 - i])]
+        if len(casts) != 1:
+            return None
+        order = ("out", "norm") if casts[0] == 0 else ("norm", "out")
+        outs = [outs[casts[0]]]
+    params = {p: i for i, p in enumerate(func.params)}
+    used = set()
+
+    def value(var):
+        used.add(var)
+        val = var2val.get(var)
+        return val if isinstance(val, relax.Call) and ops.op_name(val) else None
+
+    def param(var):  # a parameter, possibly through a cast
+        if var in params:
+            return var
+        val = value(var)
+        return val.args[0] if val is not None and ops.op_name(val) == "relax.astype" and val.args[0] in params else None
+
+    out_shape, out_dtype = _sinfo(outs[0])
+    call = value(outs[0])
+    if call is not None and ops.op_name(call) == "relax.astype":
+        call = value(call.args[0])
+    if call is None or ops.op_name(call) not in _NORMS or out_shape is None:
+        return None
+    norm = _NORMS[ops.op_name(call)]
+    if not ops.reduces_last_axis(call) or (norm == "layer_norm" and not (call.attrs.center and call.attrs.scale)):
+        return None
+    gamma, beta = param(call.args[1]), param(call.args[2]) if norm == "layer_norm" else None
+    if gamma is None or (norm == "layer_norm" and beta is None):
+        return None
+    chain, cur = [], call.args[0]
+    if _sinfo(cur)[1] != "float32":
+        return None
+    while True:  # walk back from the norm's input to the GEMM
+        val = value(cur)
+        name = ops.op_name(val) if val is not None else None
+        if name == "relax.astype":
+            chain.append(("cast", str(val.attrs.dtype), None))
+            cur = val.args[0]
+        elif name == "relax.add":
+            a, b = val.args
+            if a in params:
+                a, b = b, a
+            if b not in params or a in params:
+                return None
+            chain.append(("add", _sinfo(val)[1], b))
+            cur = a
+        elif name == ops.GEMM:
+            x, wt = val.args
+            tr = value(wt) if x in params else None
+            if tr is None or ops.op_name(tr) != ops.TRANSPOSE or tr.args[0] not in params:
+                return None
+            if tr.attrs.axes is not None and [int(a) for a in tr.attrs.axes] != [1, 0]:
+                return None
+            w, mm_dtype = tr.args[0], _sinfo(val)[1]
+            break
+        else:
+            return None
+    if used != set(var2val):  # a binding the chain does not account for: not ours to drop
+        return None
+    (x_shape, dtype), (w_shape, w_dtype) = _sinfo(x), _sinfo(w)
+    if None in (x_shape, w_shape) or len(w_shape) != 2 or w_dtype != dtype or x_shape[-1] != w_shape[1]:
+        return None
+    n, k = w_shape
+    m = math.prod(x_shape[:-1])
+    steps, operands, roles = [], [], [params[x], params[w]]
+    if mm_dtype != "float32":
+        steps.append(Step("cast", mm_dtype))
+    for op, step_dtype, operand in reversed(chain):
+        if op == "add":
+            shape, op_dtype = _sinfo(operand)
+            if shape not in ([n], out_shape):
+                return None
+            operands.append((op_dtype, shape != [n]))
+            roles.append(params[operand])
+        steps.append(Step(op, step_dtype, len(operands) - 1 if op == "add" else None))
+    (_, g_dtype), b_dtype = _sinfo(gamma), _sinfo(beta)[1] if beta is not None else None
+    if beta is not None and b_dtype != g_dtype:
+        return None
+    roles += [params[gamma]] + ([params[beta]] if beta is not None else [])
+    if len(order) == 2 and _sinfo(call)[1] != "float32":
+        return None
+    spec = PostNorm(dtype, tuple(steps), tuple(operands), norm, float(call.attrs.epsilon), g_dtype, out_dtype, len(order) == 2)
+    return spec, roles, (m, n, k), out_shape, order
+
+
+def _build(prim_func, symbol: str, target: tvm.target.Target):
+    host = target.host or tvm.target.Target("llvm")
+    device = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}, host=host)
+    mod = tvm.IRModule({symbol: prim_func.with_attr("global_symbol", symbol)})
+    return tvm.compile(mod, target=device, tir_pipeline="tirx").mod
+
+
+@mutator
+class _CallRewriter(PyExprMutator):  # pylint: disable=abstract-method
+    def __init__(self, mod, offloads):
+        super().__init__(mod)
+        self.offloads = offloads  # GlobalVar name -> (symbol, roles, out_shape, out_dtype, order)
+
+    def visit_call_(self, call):  # pylint: disable=arguments-renamed
+        call = super().visit_call_(call)
+        if not isinstance(call.op, relax.GlobalVar) or call.op.name_hint not in self.offloads:
+            return call
+        symbol, roles, out_shape, out_dtype, order = self.offloads[call.op.name_hint]
+        args = relax.Tuple([call.args[i] for i in roles])
+        if order == ("out",):
+            return relax.call_dps_packed(relax.ExternFunc(symbol), args, relax.TensorType(out_shape, out_dtype))
+        outs = [relax.TensorType(out_shape, out_dtype), relax.TensorType(out_shape, "float32")]
+        both = self.builder_.emit(relax.call_dps_packed(relax.ExternFunc(symbol), args, outs))
+        return relax.Tuple([relax.TupleGetItem(both, ("out", "norm").index(name)) for name in order])
+
+
+@tvm.transform.module_pass(opt_level=0, name="OffloadHopperPostNorm")
+class OffloadHopperPostNorm:  # pylint: disable=too-few-public-methods
+    """Replace the post-norm groups the wgmma kernel takes by calls of it (see the module
+    docstring); a no-op unless ``target`` is an sm_90 CUDA target.
+
+    ``build(prim_func, symbol, spec)`` makes each kernel available under ``symbol``: by default
+    it compiles the tirx PrimFunc for sm_90a and returns the module to link; a test passes one
+    that registers a NumPy model under ``symbol`` (returning None), to check the rewrite on CPU.
+    """
+
+    def __init__(self, target, build=None):
+        self.target = parse_target(target)
+        self.build = build
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        """Build each eligible group's kernel, rewrite its calls, drop the outlined function."""
+        from ..schedule import wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
+
+        arch = str(self.target.attrs.get("arch", ""))
+        if self.build is None and (self.target.kind.name != "cuda" or not arch.startswith("sm_90")):
+            return mod
+        build = self.build or (lambda func, symbol, _spec: _build(func, symbol, self.target))
+        offloads, built = {}, []
+        for gv, func in mod.functions_items():
+            if not isinstance(func, relax.Function) or str((func.attrs or {}).get(KIND_ATTR, "")) != "gemm_reduce":
+                continue
+            found = match_postnorm(func)
+            if found is None:
+                continue
+            spec, roles, mnk, out_shape, order = found
+            why = wp.problems(*mnk, spec)
+            if why:
+                LOG.info("ComFuse: %s stays with the gemm_reduce rule, the wgmma kernel cannot take %s", gv.name_hint, "; ".join(why))
+                continue
+            symbol = f"comfuse_wgmma_{len(offloads)}_{gv.name_hint}"[:120]
+            module = build(wp.wgmma_postnorm(*mnk, spec, lead=out_shape[:-1]), symbol, spec)
+            if module is not None:
+                built.append(module)
+            offloads[gv.name_hint] = (symbol, roles, out_shape, spec.out_dtype, order)
+        if not offloads:
+            return mod
+        rewriter = _CallRewriter(mod, offloads)
+        for gv, func in mod.functions_items():
+            if isinstance(func, relax.Function) and gv.name_hint not in offloads:
+                rewriter.builder_.update_func(gv, rewriter.visit_expr(func))
+        out = rewriter.builder_.get()
+        out = tvm.IRModule({gv: f for gv, f in out.functions_items() if gv.name_hint not in offloads}, attrs=out.attrs)
+        LOG.info("ComFuse: %d post-norm group(s) run as wgmma kernels", len(offloads))
+        if not built:
+            return out
+        existing = list(out.attrs[EXTERNAL_MODS]) if out.attrs and EXTERNAL_MODS in out.attrs else []
+        return out.with_attr(EXTERNAL_MODS, existing + built)
