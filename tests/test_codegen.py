@@ -330,17 +330,39 @@ def test_wgmma_postnorm_is_one_kernel_on_wgmma(N, K, norm):
     source = codegen.cuda_source(wm.build(wp.wgmma_postnorm(128, N, K, wp.PostNorm.suite("float16", norm))))
     assert len(codegen.kernel_names(source)) == 1
     ptx = codegen.compile_with_nvcc(source, "sm_90a", fmt="ptx").decode()
-    assert f"wgmma.mma_async.sync.aligned.m64n{wp.default_config(N).wg_cols}k16.f32.f16.f16" in ptx
+    assert f"wgmma.mma_async.sync.aligned.m64n{wp.default_config(N, 128).wg_cols}k16.f32.f16.f16" in ptx
     stores = re.findall(r"st\.global\S*", ptx)
     assert stores and all(st in ("st.global.u16", "st.global.b16") for st in stores), set(stores)
     assert codegen.compile_with_nvcc(source, "sm_90a")[:4] == b"\x7fELF"
 
 
+@pytest.mark.parametrize("M, N, ranks", [(4096, 768, 2), (16384, 1024, 2), (128, 256, 8)])
+def test_wgmma_postnorm_slices_rows_over_a_cluster(M, N, ranks):
+    """Rows are sliced over a thread-block cluster, enough CTAs to fill the SMs, each slice's
+    accumulators within one CTA's registers: the kernel is launched with clusters and its row
+    sums meet through distributed shared memory (mapa + ld.shared::cluster, cluster barriers)."""
+    import tvm  # pylint: disable=import-outside-toplevel
+
+    from tvm_comfuse.schedule import wgmma_mainloop as wm, wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
+
+    cfg = wp.default_config(N, M)
+    assert N // cfg.bn == ranks and cfg.bn <= wp.MAX_ROW
+    func = wp.wgmma_postnorm(M, N, 256, wp.PostNorm.suite("float16", "layer_norm"))
+    lower, _, _ = tvm.tirx.compilation_pipeline.tirx_pipeline()
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm")
+    with target:
+        lowered = lower(tvm.tirx.transform.BindTarget(target)(tvm.IRModule({"main": func})))
+    (kernel,) = [f for gv, f in lowered.functions_items() if gv.name_hint.endswith("_kernel")]
+    assert "clusterCtaIdx.x" in [str(p) for p in kernel.attrs["tirx.kernel_launch_params"]]
+    ptx = codegen.compile_with_nvcc(codegen.cuda_source(wm.build(func)), "sm_90a", fmt="ptx").decode()
+    assert "mapa.shared::cluster" in ptx and "ld.shared::cluster.f32" in ptx and "barrier.cluster.wait" in ptx
+
+
 def test_wgmma_postnorm_refuses_rows_it_cannot_hold():
-    """Rows wider than the register file holds, or an unknown norm, are refused with the reason."""
+    """Rows wider than eight CTAs' registers hold, or an unknown norm, are refused with the reason."""
     from tvm_comfuse.schedule import wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
 
-    with pytest.raises(cf.ComFuseError, match="wider than the 768 columns"):
-        wp.wgmma_postnorm(128, 1024, 256)
+    with pytest.raises(cf.ComFuseError, match="cannot slice N = 6400"):
+        wp.wgmma_postnorm(128, 6400, 256)
     with pytest.raises(cf.ComFuseError, match="softmax"):
         wp.wgmma_postnorm(128, 256, 256, wp.PostNorm(norm="softmax"))

@@ -201,12 +201,14 @@ def test_gpu_wgmma_mainloop_matches_torch(M, N, K, dtype, cfg):
     assert (c.float() - a.float() @ b.float().T).abs().max().item() <= TOL[dtype]
 
 
-@pytest.mark.parametrize("M, N, K, dtype, norm", [
-    (4096, 768, 768, "float16", "layer_norm"), (192, 768, 3072, "float16", "layer_norm"),
-    (128, 512, 256, "bfloat16", "layer_norm"), (256, 256, 128, "float16", "rms_norm"),
+@pytest.mark.parametrize("M, N, K, dtype, norm, whole_rows", [
+    (4096, 768, 768, "float16", "layer_norm", False), (4096, 768, 768, "float16", "layer_norm", True),
+    (16384, 1024, 256, "float16", "layer_norm", False), (192, 768, 3072, "float16", "layer_norm", False),
+    (128, 512, 256, "bfloat16", "layer_norm", False), (256, 256, 128, "float16", "rms_norm", False),
 ])
-def test_gpu_wgmma_postnorm_matches_torch(M, N, K, dtype, norm):
-    """The fused Hopper post-norm (wgmma mainloop + register row epilogue) against PyTorch in fp32."""
+def test_gpu_wgmma_postnorm_matches_torch(M, N, K, dtype, norm, whole_rows):
+    """The fused Hopper post-norm (wgmma mainloop + register row epilogue, rows sliced over a
+    cluster, or whole rows in one CTA) against PyTorch in fp32."""
     import tvm  # pylint: disable=import-outside-toplevel
 
     from tvm_comfuse.schedule import wgmma_mainloop as wm, wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
@@ -215,7 +217,8 @@ def test_gpu_wgmma_postnorm_matches_torch(M, N, K, dtype, norm):
         pytest.skip("wgmma needs an sm_90 GPU")
     x, w, b, r, g, be = _inputs(M, K, N, dtype, linear=True)
     out = torch.full((M, N), float("nan"), device="cuda", dtype=x.dtype)
-    kernel = wm.build(wp.wgmma_postnorm(M, N, K, wp.PostNorm.suite(dtype, norm)))["main"]
+    cfg = wm.WgmmaConfig(64, N, 2, 64, N // 256) if whole_rows else None
+    kernel = wm.build(wp.wgmma_postnorm(M, N, K, wp.PostNorm.suite(dtype, norm), cfg))["main"]
     kernel(*[tvm.runtime.from_dlpack(t) for t in (x, w, b, r, g, be, out)])
     y = x.float() @ w.float().T + b.float() + r.float()
     f = torch.nn.functional

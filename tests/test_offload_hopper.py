@@ -105,16 +105,16 @@ def test_chains_the_kernel_cannot_express_are_left_to_the_rule(kw):
 
 @pytest.mark.skipif(not codegen.have_nvcc(), reason="nvcc is not installed")
 def test_sm90a_compile_runs_the_group_as_the_wgmma_kernel(caplog):
-    """``get_pipeline(..., hopper=True)`` on sm_90a: a 768-wide post-norm becomes the wgmma
-    kernel (linked, nvcc-compiled); a 1024-wide one, which the kernel cannot hold, stays with
-    the gemm_reduce rule and says why."""
-    ex = runtime.compile_module(wl.post_norm(256, 256, 768, "float16", "layer_norm", linear=True), SM90A, hopper=True)
+    """``get_pipeline(..., hopper=True)`` on sm_90a: a post-norm becomes the wgmma kernel
+    (linked, nvcc-compiled); one whose M the kernel does not tile (100 rows) stays with the
+    gemm_reduce rule and says why."""
+    ex = runtime.compile_module(wl.post_norm(256, 256, 1024, "float16", "layer_norm", linear=True), SM90A, hopper=True)
     names = codegen.kernel_names(codegen.cuda_source(ex))
     assert len(names) == 1 and names[0].startswith("comfuse_wgmma_0_")
     with caplog.at_level(logging.INFO, logger="tvm_comfuse"):
-        ex = runtime.compile_module(wl.post_norm(256, 256, 1024, "float16", "layer_norm", linear=True), SM90A, hopper=True)
+        ex = runtime.compile_module(wl.post_norm(100, 256, 768, "float16", "layer_norm", linear=True), SM90A, hopper=True)
     assert not any("wgmma" in k for k in codegen.kernel_names(codegen.cuda_source(ex)))
-    assert "wider than the 768 columns" in caplog.text
+    assert "multiples of bm = 64" in caplog.text
 
 
 def test_hopper_is_opt_in():

@@ -1,18 +1,22 @@
 """Hopper fused post-norm (issue 8, step 2): ``norm(x @ w.T + b + r)`` on the wgmma mainloop.
 
-ComFuse's row epilogue on :mod:`.wgmma_mainloop`'s accumulators. A CTA owns 64 whole rows;
-``wg_n`` warpgroups split the row's N columns (``N / wg_n <= 256``, wgmma's N), so the GEMM
-result never leaves the chip: the elementwise chain (casts, the bias and residual adds, in the
-graph's own dtypes: :class:`PostNorm`) runs on the fp32 accumulators in registers, each thread
-sums its share of its two rows, the partial sums meet in a small shared buffer (4 quad lanes x
-``wg_n`` warpgroups per row), and the normalised row is written once. LayerNorm takes two
-passes over the registers (mean, then the centred variance: no cancellation), RMSNorm one.
+ComFuse's row epilogue on :mod:`.wgmma_mainloop`'s accumulators. A CTA owns 64 rows of a
+column slice of ``bn`` columns, split over ``wg_n`` warpgroups (``bn / wg_n <= 256``, wgmma's
+N); the ``N / bn`` CTAs of a thread-block cluster own the whole row, so the GEMM result never
+leaves the chip: the elementwise chain (casts, bias and residual adds, as the graph rounds them:
+:class:`PostNorm`) runs on the fp32 accumulators in registers, each thread sums its share of
+its two rows, the partial sums meet in shared memory (4 quad lanes x ``wg_n`` warpgroups per
+row) and then across the cluster through distributed shared memory (``mapa`` +
+``ld.shared::cluster`` between cluster barriers), and the normalised row is written once.
+LayerNorm takes two passes over the registers (mean, then the centred variance: no
+cancellation), RMSNorm one.
 
-Limits, from the register file: 64 rows x N fp32 accumulators take N / 4 KiB of the SM's
-256 KiB, so whole-row CTAs stop at N = 768 (384 threads, 128 accumulators each); wider rows
-need the row split over a thread-block cluster that the mma.sync rule has (:mod:`.cluster`).
-:class:`~tvm_comfuse.transform.OffloadHopperPostNorm` puts it in the Relax pipeline (opt-in);
-not yet run on a GPU: timed against cuBLAS in ``notebooks/results/experiments/wgmma_gemm.py``.
+Why slices: 64 rows x 768 fp32 accumulators are 192 of an SM's 256 KiB of registers, so one
+CTA holds at most :data:`MAX_ROW` columns; and whole-row CTAs at M = 4096 are only 64 for 132
+SMs. :func:`default_config` slices rows over the fewest CTAs that fill the SMs (2 x 384
+columns for BERT-base). :class:`~tvm_comfuse.transform.OffloadHopperPostNorm` puts the kernel
+in the Relax pipeline (opt-in); it has not run on a GPU yet: timed against cuBLAS in
+``notebooks/results/experiments/wgmma_gemm.py``.
 """
 
 from __future__ import annotations
@@ -27,8 +31,12 @@ from ..errors import ComFuseError
 from .wgmma_mainloop import SMEM_LIMIT, WgmmaConfig, fragment, mainloop
 
 NORMS = ("layer_norm", "rms_norm")
-#: Widest row a 64-row CTA holds in registers (64 x 768 fp32 = 192 of the SM's 256 KiB).
+#: Widest row slice a 64-row CTA holds in registers (64 x 768 fp32 = 192 of the SM's 256 KiB).
 MAX_ROW = 768
+#: CTAs a row may be sliced over (a thread-block cluster; 8 is the portable maximum).
+CLUSTER_SIZES = (1, 2, 4, 8)
+#: SMs of the sm_90 parts ComFuse targets (H100 SXM, H200): what ``default_config`` fills.
+SM_COUNT = 132
 
 
 @dataclass(frozen=True)
@@ -109,17 +117,25 @@ def reference(spec: PostNorm, x, w, p0, p1, gamma, beta=None) -> list:
     return [out, y] if spec.norm_out else [out]
 
 
-def default_config(n: int) -> WgmmaConfig:
-    """Whole rows of ``n`` columns: the fewest warpgroups with wgmma N <= 256, and the deepest
-    ring (``bk`` 64 when two stages fit, else 32) that fits shared memory."""
-    wg_n = next((w for w in range(1, 9) if n % w == 0 and (n // w) % 16 == 0 and n // w <= 256), None)
+def default_config(n: int, m: int | None = None) -> WgmmaConfig:
+    """A CTA owns 64 rows of a ``bn``-column slice of the row, ``n / bn`` CTAs of a cluster
+    the whole row: the fewest slices whose accumulators fit one CTA's registers and, given
+    ``m``, whose CTAs fill the SMs; in a slice the fewest warpgroups with wgmma N <= 256, and
+    the deepest ring (``bk`` 64 when two stages fit, else 32) that fits shared memory."""
+    ranks = [r for r in CLUSTER_SIZES if n % r == 0 and (n // r) % 16 == 0 and n // r <= MAX_ROW]
+    if not ranks:
+        raise ComFuseError(f"wgmma post-norm cannot slice N = {n} over at most {CLUSTER_SIZES[-1]} CTAs of {MAX_ROW} columns")
+    if m is not None:
+        ranks = [r for r in ranks if m // 64 * r >= 0.9 * SM_COUNT] or ranks[-1:]
+    bn = n // ranks[0]
+    wg_n = next((w for w in range(1, 9) if bn % w == 0 and (bn // w) % 16 == 0 and bn // w <= 256), None)
     if wg_n is None:
-        raise ComFuseError(f"wgmma post-norm cannot split N = {n} into warpgroup tiles (a multiple of 16 up to 256 each)")
+        raise ComFuseError(f"wgmma post-norm cannot split a {bn}-column slice into warpgroup tiles (a multiple of 16 up to 256 each)")
     for bk in (64, 32):
-        stages = min(4, SMEM_LIMIT // ((64 + n) * bk * 2))
+        stages = min(4, SMEM_LIMIT // ((64 + bn) * bk * 2))
         if stages >= 2:
-            return WgmmaConfig(bm=64, bn=n, stages=stages, bk=bk, wg_n=wg_n)
-    raise ComFuseError(f"wgmma post-norm: a 64 x {n} row tile does not fit shared memory twice over")
+            return WgmmaConfig(bm=64, bn=bn, stages=stages, bk=bk, wg_n=wg_n)
+    raise ComFuseError(f"wgmma post-norm: a 64 x {bn} tile does not fit shared memory twice over")
 
 
 def problems(m, n, k, spec: PostNorm, cfg: WgmmaConfig | None = None) -> list:
@@ -127,14 +143,12 @@ def problems(m, n, k, spec: PostNorm, cfg: WgmmaConfig | None = None) -> list:
     found = spec.problems()
     if not all(isinstance(d, int) for d in (m, n, k)):
         return found + [f"symbolic shape M, N, K = {m}, {n}, {k} (static only)"]
-    if n > MAX_ROW:
-        return found + [f"N = {n}, wider than the {MAX_ROW} columns a 64-row CTA holds in registers"]
     try:
-        cfg = cfg or default_config(n)
+        cfg = cfg or default_config(n, m)
     except ComFuseError as err:
         return found + [str(err)]
-    if cfg.bm != 64 or cfg.bn != n:
-        found.append(f"{cfg} (a CTA owns 64 whole rows: bm = 64, bn = N = {n})")
+    if cfg.bm != 64 or n % cfg.bn or n // cfg.bn not in CLUSTER_SIZES or cfg.bn > MAX_ROW:
+        found.append(f"{cfg} (a CTA owns 64 rows of an N / {list(CLUSTER_SIZES)} slice of at most {MAX_ROW} columns)")
     return found + cfg.problems(m, n, k, spec.dtype)
 
 
@@ -147,8 +161,9 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
     found = problems(m, n, k, spec, cfg)
     if found:
         raise ComFuseError("wgmma post-norm cannot take " + "; ".join(found))
-    cfg = cfg or default_config(n)
+    cfg = cfg or default_config(n, m)
     acc_n, wg_cols, parts, rms = cfg.wg_cols // 2, cfg.wg_cols, 4 * cfg.wg_n, spec.norm == "rms_norm"
+    slice_n, ranks = cfg.bn, n // cfg.bn
     run = mainloop(cfg, k, spec.dtype)
     lead = tuple(lead or (m,))
     if math.prod(lead) != m:
@@ -181,55 +196,78 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
 
     # pylint: disable=invalid-name,unused-variable,too-many-locals,too-many-arguments
     @T.macro
+    def row_total(part, rowpart, peer, got, tx, s, stat, p, col):
+        """``stat[h, col]`` = the sum over the whole row ``r0 + 8h`` of what the threads hold in
+        ``s[h]``: across quad lanes and warpgroups through ``part``, across the cluster's CTAs
+        (the row's column slices) through distributed shared memory."""
+        r0 = T.meta_var(fragment(tx, 0)[0])
+        for h in T.unroll(2):
+            part[p, r0 + 8 * h, tx // 128 * 4 + tx % 4] = s[h]
+        T.cuda.cta_sync()
+        for h in T.unroll(2):
+            stat[h, col] = T.float32(0)
+            for j in T.unroll(parts):
+                stat[h, col] = stat[h, col] + part[p, r0 + 8 * h, j]
+        if ranks > 1:
+            if tx < 128 and tx % 4 == 0:  # one writer per row: warpgroup 0's quad leaders
+                for h in T.unroll(2):
+                    rowpart[p, r0 + 8 * h] = stat[h, col]
+            T.cuda.cluster_sync()
+            for h in T.unroll(2):
+                stat[h, col] = T.float32(0)
+                for q in T.unroll(ranks):
+                    T.ptx["mapa.shared::cluster.u32"](peer[0], T.cuda.cvta_generic_to_shared(rowpart.ptr_to([p, r0 + 8 * h])), T.uint32(q))
+                    T.ptx["ld.shared::cluster.f32"](got[0], peer[0])
+                    stat[h, col] = stat[h, col] + got[0]
+
+    @T.macro
     def body(A, B, P0, P1, gamma, beta, out, out2):
-        bx = T.cta_id([m // 64])
+        if ranks > 1:
+            bx = T.cluster_id([m // 64])
+            rk = T.cta_id_in_cluster([ranks])
+        else:
+            bx = T.cta_id([m // 64])
+            rk = 0
         tx = T.thread_id([cfg.threads])
-        S = T.alloc_shared([cfg.stages, 64 + n, cfg.bk], spec.dtype, scope="shared.dyn", align=1024)
+        S = T.alloc_shared([cfg.stages, 64 + slice_n, cfg.bk], spec.dtype, scope="shared.dyn", align=1024)
         part = T.alloc_shared([2, 64, parts], "float32")  # per row: 4 quad lanes x wg_n warpgroups
+        rowpart = T.alloc_shared([2, 64], "float32")  # per row: this CTA's slice, read by the cluster
         acc = T.alloc_local([acc_n], "float32")
         da = T.alloc_local([1], "uint64")
         db = T.alloc_local([1], "uint64")
         s = T.alloc_local([2], "float32")  # this thread's partial sums of its rows r0 and r0 + 8
         stat = T.alloc_local([2, 2], "float32")  # [row half, mean / rstd]
-        run(A, B, S, acc, da, db, tx, bx, 0)
-        c0 = T.meta_var(tx // 128 * wg_cols)
-        r0 = T.meta_var(fragment(tx, 0)[0])
-        slot = T.meta_var(tx // 128 * 4 + tx % 4)
+        peer = T.alloc_local([1], "uint32")
+        got = T.alloc_local([1], "float32")
+        run(A, B, S, acc, da, db, tx, bx, rk)
+        c0 = T.meta_var(rk * slice_n + tx // 128 * wg_cols)
         for h in T.unroll(2):
             s[h] = T.float32(0)
         for i in T.unroll(acc_n):
             row, col = T.meta_var(fragment(tx, i))
             acc[i] = chain(acc[i], P0, P1, bx * 64 + row, c0 + col)
             s[i // 2 % 2] = s[i // 2 % 2] + square(acc[i])
+        row_total(part, rowpart, peer, got, tx, s, stat, 0, 0)
         for h in T.unroll(2):
-            part[0, r0 + 8 * h, slot] = s[h]
-        T.cuda.cta_sync()
-        for h in T.unroll(2):
-            stat[h, 0] = T.float32(0)
-            for j in T.unroll(parts):
-                stat[h, 0] = stat[h, 0] + part[0, r0 + 8 * h, j]
             stat[h, 0] = stat[h, 0] / T.float32(n)  # mean, or mean square for RMSNorm
         if not rms:
             for h in T.unroll(2):
                 s[h] = T.float32(0)
             for i in T.unroll(acc_n):
                 s[i // 2 % 2] = s[i // 2 % 2] + (acc[i] - stat[i // 2 % 2, 0]) * (acc[i] - stat[i // 2 % 2, 0])
-            for h in T.unroll(2):
-                part[1, r0 + 8 * h, slot] = s[h]
-            T.cuda.cta_sync()
+            row_total(part, rowpart, peer, got, tx, s, stat, 1, 1)
         for h in T.unroll(2):
             if rms:
                 stat[h, 1] = T.rsqrt(stat[h, 0] + T.float32(spec.eps))
                 stat[h, 0] = T.float32(0)
             else:
-                stat[h, 1] = T.float32(0)
-                for j in T.unroll(parts):
-                    stat[h, 1] = stat[h, 1] + part[1, r0 + 8 * h, j]
                 stat[h, 1] = T.rsqrt(stat[h, 1] / T.float32(n) + T.float32(spec.eps))
         for i in T.unroll(acc_n):
             row, col = T.meta_var(fragment(tx, i))
             y = T.meta_var((acc[i] - stat[i // 2 % 2, 0]) * stat[i // 2 % 2, 1] * T.cast(gamma[c0 + col], "float32"))
             store(out, out2, bx * 64 + row, c0 + col, shift(y, beta, c0 + col))
+        if ranks > 1:
+            T.cuda.cluster_sync()  # no CTA leaves while the cluster may still read its rowpart
 
     # the parameter list depends on the spec (beta, a second output): the signature is
     # generated, the body is the macro above

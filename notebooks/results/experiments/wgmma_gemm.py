@@ -12,12 +12,14 @@ both load and compute, and ``wait_group 0`` each K step leaves the tensor cores 
 barrier); well below cuBLAS on the N = 768 shapes (too few tiles for 132 SMs). If it is at or
 above 0.6x, the next steps are a TMA + warp-specialised producer and the row epilogue.
 
-The fused kernel on it (``wgmma_postnorm``: a CTA owns 64 whole rows, three warpgroups split
-the 768 columns, LayerNorm in registers; 168 registers with 176 bytes of spill at N = 768) is
-timed against cuBLAS's GEMM alone and eager PyTorch (GEMM, adds, ``F.layer_norm``) on the two
-N = 768 suite shapes, where ComFuse's mma.sync kernel takes 26.3 and 73.0 us (commit 1fd9920).
-Prediction: correct; 64 CTAs (M = 4096 / 64) fill under half of the 132 SMs, so at best ~2x
-cuBLAS's GEMM time, i.e. ~18 and ~55 us: faster than today's kernel, not yet than torch.compile.
+The fused kernel on it (``wgmma_postnorm``: a CTA owns 64 rows of a column slice, a cluster of
+CTAs the whole row, row sums through distributed shared memory, LayerNorm in registers) is
+timed against cuBLAS's GEMM alone and eager PyTorch (GEMM, adds, ``F.layer_norm``) on the four
+suite shapes it takes, where ComFuse's mma.sync kernel takes 26.3, 73.0, 162.9 and 79.6 us
+(commit 1fd9920); at N = 768 also with whole rows in one CTA (64 CTAs for M = 4096: under half
+of the 132 SMs), against the default's 2-CTA clusters of 384-column slices (128 CTAs).
+Prediction: correct; the clusters beat whole rows; ~1.5x cuBLAS's GEMM time (~14 and ~40 us at
+N = 768): faster than today's kernel, near torch.compile (15.0, 33.0).
 
 Run on the GPU: ``bash .ci/gpu-run notebooks/results/experiments/wgmma_gemm.py`` (writes
 ``$OUT/wgmma-gemm.json``).
@@ -82,7 +84,7 @@ def postnorm():
     """LayerNorm(x @ w.T + b + r) on the N = 768 suite shapes: the fused wgmma kernel (both ring
     depths) against cuBLAS's GEMM alone and eager PyTorch."""
     rows, gen, f = [], torch.Generator(device="cuda").manual_seed(1), torch.nn.functional
-    for m, k, n in [(4096, 768, 768), (4096, 3072, 768)]:
+    for m, k, n in [(4096, 768, 768), (4096, 3072, 768), (4096, 4096, 1024), (16384, 256, 1024)]:
         rnd = lambda *s: torch.randn(*s, device="cuda", dtype=torch.float16, generator=gen)  # noqa: E731
         x, w, b, r, g, be = rnd(m, k), rnd(n, k) / k**0.5, rnd(n), rnd(m, n), rnd(n), rnd(n)
         ref = f.layer_norm(x.float() @ w.float().T + b.float() + r.float(), (n,), g.float(), be.float())
@@ -91,8 +93,10 @@ def postnorm():
         for name, fn in [("cublas_gemm_alone", lambda: torch.matmul(x, w.T)), ("eager", eager)]:  # noqa: B023
             rows.append(dict(base, contender=name, us=_median_us(torch, fn)))
             print(f"{m}x{k}x{n} layer_norm {name}: {rows[-1]['us']:.1f} us", flush=True)
-        for cfg in [default_config(n), WgmmaConfig(64, n, 4, 32, default_config(n).wg_n)]:
-            row = dict(base, contender="wgmma_postnorm", config=dict(bk=cfg.bk, stages=cfg.stages, wg_n=cfg.wg_n))
+        whole = [WgmmaConfig(64, n, 2, 64, 3), WgmmaConfig(64, n, 4, 32, 3)] if n == 768 else []  # one CTA per row
+        for cfg in [default_config(n, m), *whole]:
+            row = dict(base, contender="wgmma_postnorm",
+                       config=dict(ranks=n // cfg.bn, bn=cfg.bn, bk=cfg.bk, stages=cfg.stages, wg_n=cfg.wg_n))
             try:
                 kernel = build(wgmma_postnorm(m, n, k, PostNorm.suite("float16", "layer_norm"), cfg))["main"]
                 out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.float16)
