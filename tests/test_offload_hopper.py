@@ -123,3 +123,16 @@ def test_hopper_is_opt_in():
     grouped, _ = _groups(mod, {"kind": "cuda", "arch": "sm_80"})
     assert OffloadHopperPostNorm({"kind": "cuda", "arch": "sm_80"})(grouped).same_as(grouped)
     assert not any(isinstance(p, OffloadHopperPostNorm) for p in cf.pipeline.fusion_passes(tvm.target.Target(SM90A)))
+
+
+def test_rows_too_wide_for_the_rule_are_fused_only_when_the_hopper_kernel_takes_them():
+    """gpt-4k-proj (N = 4096) is too wide for the gemm_reduce rule: vanilla fusion keeps it, unless
+    ``hopper`` is on, where the wgmma kernel slices each row over an 8-CTA cluster; a wide chain
+    the kernel cannot express (an activation before the residual) stays with vanilla fusion."""
+    mod = wl.post_norm(8192, 4096, 4096, "float16", "layer_norm", linear=True)
+    assert [g.fused for g in cf.analyze(mod, SM90A)] == [False]
+    assert [g.fused for g in cf.analyze(mod, SM90A, hopper=True)] == [True]
+    assert 4096 // wp.default_config(4096, 8192).bn == 8
+    relu = wl.post_norm(8192, 4096, 4096, "float16", "layer_norm", linear=True, act="relu")
+    (group,) = cf.analyze(relu, SM90A, hopper=True)
+    assert not group.fused and "wider than a thread block" in group.note

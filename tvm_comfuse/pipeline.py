@@ -119,7 +119,7 @@ def fusion_passes(target=None, hopper: bool = False):
     take), then the vanilla legalisation and fusion of the rest, then the annotation of the
     fused PrimFuncs: everything up to scheduling."""
     offload = [OffloadHopperPostNorm(target)] if hopper and target is not None else []
-    return [FuseComputeMemory(target=target), *offload, *vanilla_fusion_passes(), AnnotateFusedBlocks()]
+    return [FuseComputeMemory(target=target, hopper=bool(offload)), *offload, *vanilla_fusion_passes(), AnnotateFusedBlocks()]
 
 
 def schedule_passes(target: tvm.target.Target, database=None):

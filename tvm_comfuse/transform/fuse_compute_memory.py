@@ -119,25 +119,31 @@ def _outline(mod: tvm.IRModule, groups: list, kinds) -> tuple:
     return mod, names
 
 
-def _limit_to_target(groups: list, target) -> list:
-    """On GPU targets, keep outlined only the gemm_reduce groups the rule can schedule."""
+def _wide_note(g, target) -> str:
+    return (f"no one-kernel schedule for M={g.gemm[1]}, N={g.gemm[2]} on {target.attrs.get('arch', target.kind.name)} "
+            "(rows wider than a thread block holds, or symbolic N or batch); left to vanilla fusion")
+
+
+def _limit_to_target(groups: list, target, hopper: bool = False) -> tuple:
+    """On GPU targets, keep outlined only the gemm_reduce groups the rule can schedule; with
+    ``hopper``, rows too wide for the rule stay candidates (the Hopper kernel slices rows over
+    a cluster): ``(groups, indices of those)``, decided once outlined."""
     if target is None or not is_gpu(target):
-        return groups
+        return groups, set()
     from ..schedule import row_tile_fits  # pylint: disable=import-outside-toplevel
 
-    out = []
-    for g in groups:
+    out, wide = [], set()
+    for i, g in enumerate(groups):
         if g.fused and g.kind == GEMM_REDUCE and not row_tile_fits(g.gemm, g.dtype, target):
-            g = replace(
-                g, fused=False,
-                note=f"no one-kernel schedule for M={g.gemm[1]}, N={g.gemm[2]} on {target.attrs.get('arch', target.kind.name)} "
-                "(rows wider than a thread block holds, or symbolic N or batch); left to vanilla fusion",
-            )
+            if hopper:
+                wide.add(i)
+            else:
+                g = replace(g, fused=False, note=_wide_note(g, target))
         out.append(g)
-    return out
+    return out, wide
 
 
-def _declined_by_rule(groups: list, mod: tvm.IRModule, names: dict, target) -> dict:
+def _declined_by_rule(groups: list, mod: tvm.IRModule, names: dict, target, hopper: bool = False, wide=()) -> dict:
     """``{group index: note}`` for the outlined gemm_reduce groups for which the gemm_reduce
     rule has no configuration on a GPU ``target``, found by lowering each group on its own as
     the pipeline does and asking the rule (once per distinct group: a model's layers repeat).
@@ -146,11 +152,22 @@ def _declined_by_rule(groups: list, mod: tvm.IRModule, names: dict, target) -> d
     left between the GEMM and the reduction, a 4-D batched GEMM). A fused group the rule
     declines goes to DLight as one GEMM + softmax function, which it schedules far worse than
     the separate kernels of vanilla fusion: on the H200 BERT-base's attention-score groups made
-    the whole encoder 3.8x slower than vanilla TVM (58.5 ms against 15.3 ms)."""
+    the whole encoder 3.8x slower than vanilla TVM (58.5 ms against 15.3 ms).
+
+    With ``hopper``, a group the Hopper post-norm kernel takes is kept whatever the rule says
+    (OffloadHopperPostNorm replaces it); ``wide`` groups (rows too wide for the rule) are
+    kept only then."""
     if target is None or not is_gpu(target):
         return {}
+    from .offload_hopper import hopper_takes  # pylint: disable=import-outside-toplevel  (it imports us)
+
     declined, seen = {}, {}
     for i, name in names.items():
+        if groups[i].kind == GEMM_REDUCE and hopper and hopper_takes(mod[name], target):
+            continue
+        if i in wide:
+            declined[i] = _wide_note(groups[i], target)
+            continue
         if groups[i].kind != GEMM_REDUCE or groups[i].dtype == "bfloat16":
             # vanilla TVM cannot legalise a bf16 LayerNorm (fuzz seed 304 fails to compile
             # there); the outlined group computes it in fp32, so it stays fused either way
@@ -186,11 +203,12 @@ def _rule_has_configs(func: relax.Function, target) -> bool:
     return len(fused) == 1 and bool(GemmRowTile().configs(tvm.s_tir.Schedule(fused[0]), target))
 
 
-def _outline_schedulable(mod: tvm.IRModule, groups: list, kinds, target) -> tuple:
-    """:func:`_outline`, leaving to vanilla fusion the groups the rule declines on ``target``;
-    returns the module, {group index: name} and the groups (declined ones with their note)."""
+def _outline_schedulable(mod: tvm.IRModule, groups: list, kinds, target, hopper: bool = False, wide=()) -> tuple:
+    """:func:`_outline`, leaving to vanilla fusion the groups the rule declines on ``target``
+    (and, with ``hopper``, the Hopper kernel does not take); returns the module, {group index:
+    name} and the groups (declined ones with their note)."""
     out, names = _outline(mod, groups, kinds)
-    declined = _declined_by_rule(groups, out, names, target)
+    declined = _declined_by_rule(groups, out, names, target, hopper, wide)
     if not declined:
         return out, names, groups
     groups = [replace(g, fused=False, note=declined[i]) if i in declined else g for i, g in enumerate(groups)]
@@ -216,12 +234,13 @@ def _canonicalize(mod: tvm.IRModule) -> tvm.IRModule:
     return HoistRowReshape()(CastBeforeTranspose()(mod))
 
 
-def analyze(mod: tvm.IRModule, target=None) -> list:
+def analyze(mod: tvm.IRModule, target=None, hopper: bool = False) -> list:
     """The fusion groups :func:`FuseComputeMemory` would form, without changing ``mod``.
 
     With a GPU ``target``, groups whose rows do not fit the target's one-kernel schedule, or
     that the gemm_reduce rule cannot tile, are reported as left to vanilla fusion
-    (``fused=False``), as ``get_pipeline(target)`` does.
+    (``fused=False``), as ``get_pipeline(target)`` does; ``hopper`` as ``get_pipeline(target,
+    hopper=True)`` does (the Hopper kernel also takes rows too wide for the rule).
 
     Returns a list of :class:`~tvm_comfuse.graph.group.FusionGroup` (``kind``, ``ops``,
     ``name`` of the function the group becomes, GEMM shape, dtypes, inputs and outputs).
@@ -231,8 +250,8 @@ def analyze(mod: tvm.IRModule, target=None) -> list:
     check_module(mod, "analyze")
     mod = _canonicalize(mod)
     target = parse_target(target) if target is not None else None
-    groups = _limit_to_target(_plan(mod), target)
-    _, names, groups = _outline_schedulable(mod, groups, (GEMM_REDUCE, GEMM_ELEMENTWISE), target)
+    groups, wide = _limit_to_target(_plan(mod), target, hopper)
+    _, names, groups = _outline_schedulable(mod, groups, (GEMM_REDUCE, GEMM_ELEMENTWISE), target, hopper, wide)
     return _resolve(groups, names)
 
 
@@ -247,24 +266,28 @@ class FuseComputeMemory:  # pylint: disable=too-few-public-methods
         On a GPU target, gemm_reduce groups whose rows are too wide for one thread block, or
         that the gemm_reduce rule cannot tile, stay with vanilla fusion (``get_pipeline``
         passes its target).
+    hopper : bool
+        Keep the groups the Hopper post-norm kernel takes on sm_90 (rows up to 6144 wide), for
+        OffloadHopperPostNorm to replace (``get_pipeline(target, hopper=True)``).
     kinds : tuple of str
         Group kinds to outline. ``"b2b_gemm"`` groups are detected by :func:`analyze` but not
         outlined until a back-to-back schedule exists; their GEMM groups are outlined
         separately.
     """
 
-    def __init__(self, kinds=(GEMM_REDUCE, GEMM_ELEMENTWISE), target=None):
+    def __init__(self, kinds=(GEMM_REDUCE, GEMM_ELEMENTWISE), target=None, hopper: bool = False):
         unknown = [k for k in kinds if k not in KINDS]
         if unknown:
             raise ValueError(f"FuseComputeMemory: unknown group kind(s) {unknown}; choose from {KINDS}")
         self.kinds = tuple(k for k in kinds if k != B2B_GEMM)
         self.target = parse_target(target) if target is not None else None
+        self.hopper = hopper
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         """Find the groups of every Relax function and outline them (no-op without any)."""
         mod = _canonicalize(mod)
-        groups = _limit_to_target(_plan(mod), self.target)
-        mod, names, groups = _outline_schedulable(mod, groups, self.kinds, self.target)
+        groups, wide = _limit_to_target(_plan(mod), self.target, self.hopper)
+        mod, names, groups = _outline_schedulable(mod, groups, self.kinds, self.target, self.hopper, wide)
         if not names:
             return mod
         recorded = dict(mod.attrs[GROUPS_ATTR]) if mod.attrs and GROUPS_ATTR in mod.attrs else {}

@@ -154,6 +154,19 @@ def match_postnorm(func: relax.Function):
     return spec, roles, (m, n, k), out_shape, order
 
 
+def is_hopper(target: tvm.target.Target) -> bool:
+    """An sm_90 CUDA target (wgmma needs sm_90a, which every sm_90 part runs)."""
+    return target.kind.name == "cuda" and str(target.attrs.get("arch", "")).startswith("sm_90")
+
+
+def hopper_takes(func: relax.Function, target: tvm.target.Target) -> bool:
+    """Whether :class:`OffloadHopperPostNorm` replaces the outlined group ``func`` on ``target``."""
+    from ..schedule import wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
+
+    found = match_postnorm(func) if is_hopper(target) else None
+    return found is not None and not wp.problems(*found[2], found[0])
+
+
 def _build(prim_func, symbol: str, target: tvm.target.Target):
     host = target.host or tvm.target.Target("llvm")
     device = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}, host=host)
@@ -198,8 +211,7 @@ class OffloadHopperPostNorm:  # pylint: disable=too-few-public-methods
         """Build each eligible group's kernel, rewrite its calls, drop the outlined function."""
         from ..schedule import wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
 
-        arch = str(self.target.attrs.get("arch", ""))
-        if self.build is None and (self.target.kind.name != "cuda" or not arch.startswith("sm_90")):
+        if self.build is None and not is_hopper(self.target):
             return mod
         build = self.build or (lambda func, symbol, _spec: _build(func, symbol, self.target))
         offloads, built = {}, []

@@ -15,8 +15,9 @@ above 0.6x, the next steps are a TMA + warp-specialised producer and the row epi
 The fused kernel on it (``wgmma_postnorm``: a CTA owns 64 rows of a column slice, a cluster of
 CTAs the whole row, row sums through distributed shared memory, LayerNorm in registers) is
 timed against cuBLAS's GEMM alone and eager PyTorch (GEMM, adds, ``F.layer_norm``) on the four
-suite shapes it takes, where ComFuse's mma.sync kernel takes 26.3, 73.0, 162.9 and 79.6 us
-(commit 1fd9920); at N = 768 also with whole rows in one CTA (64 CTAs for M = 4096: under half
+suite shapes, where ComFuse's mma.sync kernel takes 26.3, 73.0, 162.9 and 79.6 us (commit
+1fd9920) and cannot fuse gpt-4k-proj (8192x4096x4096: 8-CTA clusters of 512 columns here;
+vanilla TVM 3546 us, torch.compile 500); at N = 768 also with whole rows in one CTA (64 CTAs for M = 4096: under half
 of the 132 SMs), against the default's 2-CTA clusters of 384-column slices (128 CTAs).
 Prediction: correct; the clusters beat whole rows; ~1.5x cuBLAS's GEMM time (~14 and ~40 us at
 N = 768): faster than today's kernel, near torch.compile (15.0, 33.0).
@@ -84,7 +85,7 @@ def postnorm():
     """LayerNorm(x @ w.T + b + r) on the N = 768 suite shapes: the fused wgmma kernel (both ring
     depths) against cuBLAS's GEMM alone and eager PyTorch."""
     rows, gen, f = [], torch.Generator(device="cuda").manual_seed(1), torch.nn.functional
-    for m, k, n in [(4096, 768, 768), (4096, 3072, 768), (4096, 4096, 1024), (16384, 256, 1024)]:
+    for m, k, n in [(4096, 768, 768), (4096, 3072, 768), (4096, 4096, 1024), (16384, 256, 1024), (8192, 4096, 4096)]:
         rnd = lambda *s: torch.randn(*s, device="cuda", dtype=torch.float16, generator=gen)  # noqa: E731
         x, w, b, r, g, be = rnd(m, k), rnd(n, k) / k**0.5, rnd(n), rnd(m, n), rnd(n), rnd(n)
         ref = f.layer_norm(x.float() @ w.float().T + b.float() + r.float(), (n,), g.float(), be.float())
