@@ -243,9 +243,12 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
         c0 = T.meta_var(rk * slice_n + tx // 128 * wg_cols)
         for h in T.unroll(2):
             s[h] = T.float32(0)
+        # accumulators 2q and 2q + 1 are one row's adjacent columns: vector loads and stores
+        for q in T.unroll(acc_n // 2):
+            for j in T.vectorized(2):
+                row, col = T.meta_var(fragment(tx, 2 * q + j))
+                acc[2 * q + j] = chain(acc[2 * q + j], P0, P1, bx * 64 + row, c0 + col)
         for i in T.unroll(acc_n):
-            row, col = T.meta_var(fragment(tx, i))
-            acc[i] = chain(acc[i], P0, P1, bx * 64 + row, c0 + col)
             s[i // 2 % 2] = s[i // 2 % 2] + square(acc[i])
         row_total(part, rowpart, peer, got, tx, s, stat, 0, 0)
         for h in T.unroll(2):
@@ -262,10 +265,11 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
                 stat[h, 0] = T.float32(0)
             else:
                 stat[h, 1] = T.rsqrt(stat[h, 1] / T.float32(n) + T.float32(spec.eps))
-        for i in T.unroll(acc_n):
-            row, col = T.meta_var(fragment(tx, i))
-            y = T.meta_var((acc[i] - stat[i // 2 % 2, 0]) * stat[i // 2 % 2, 1] * T.cast(gamma[c0 + col], "float32"))
-            store(out, out2, bx * 64 + row, c0 + col, shift(y, beta, c0 + col))
+        for q in T.unroll(acc_n // 2):
+            for j in T.vectorized(2):
+                row, col = T.meta_var(fragment(tx, 2 * q + j))
+                y = T.meta_var((acc[2 * q + j] - stat[q % 2, 0]) * stat[q % 2, 1] * T.cast(gamma[c0 + col], "float32"))
+                store(out, out2, bx * 64 + row, c0 + col, shift(y, beta, c0 + col))
         if ranks > 1:
             T.cuda.cluster_sync()  # no CTA leaves while the cluster may still read its rowpart
 
