@@ -21,8 +21,9 @@ ring keeps ``stages - 1`` tile loads in flight: iteration ``k`` refills the slot
 the top of ``k``. (Keeping one wgmma group in flight across iterations, ``wait_group 1``, makes
 ptxas serialize the wgmmas anyway: its C7514 warning, "non wgmma instructions reading
 accumulator registers", even with the accumulators pinned by empty asm; a warp-specialised TMA
-producer is the way to overlap more.) Not yet used by the gemm_reduce rule: its speed against
-cuBLAS is to be measured (``notebooks/results/experiments/wgmma_gemm.py``).
+producer is the way to overlap more.) :mod:`.wgmma_postnorm` builds the fused kernel on it.
+Not yet run on a GPU: its speed against cuBLAS is to be measured
+(``notebooks/results/experiments/wgmma_gemm.py``).
 """
 
 from __future__ import annotations
