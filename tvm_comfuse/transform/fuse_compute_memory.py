@@ -251,7 +251,12 @@ def analyze(mod: tvm.IRModule, target=None, hopper: bool = False) -> list:
     mod = _canonicalize(mod)
     target = parse_target(target) if target is not None else None
     groups, wide = _limit_to_target(_plan(mod), target, hopper)
-    _, names, groups = _outline_schedulable(mod, groups, (GEMM_REDUCE, GEMM_ELEMENTWISE), target, hopper, wide)
+    out, names, groups = _outline_schedulable(mod, groups, (GEMM_REDUCE, GEMM_ELEMENTWISE), target, hopper, wide)
+    if hopper and target is not None:
+        from .offload_hopper import hopper_takes  # pylint: disable=import-outside-toplevel  (it imports us)
+
+        taken = {i for i, name in names.items() if groups[i].kind == GEMM_REDUCE and hopper_takes(out[name], target)}
+        groups = [replace(g, note="runs as the Hopper wgmma post-norm kernel") if i in taken else g for i, g in enumerate(groups)]
     return _resolve(groups, names)
 
 
