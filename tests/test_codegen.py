@@ -366,3 +366,20 @@ def test_wgmma_postnorm_refuses_rows_it_cannot_hold():
         wp.wgmma_postnorm(128, 6400, 256)
     with pytest.raises(cf.ComFuseError, match="softmax"):
         wp.wgmma_postnorm(128, 256, 256, wp.PostNorm(norm="softmax"))
+
+
+def test_wgmma_b2b_keeps_the_intermediate_in_registers():
+    """Back-to-back GEMM on Hopper (issue 5): the first GEMM's activated accumulators become the
+    second GEMM's register A operand (wgmma's register-A form, fed by cvt.f16x2 packs), so the
+    intermediate is never stored, not even to shared memory; ptxas accepts it for sm_90a."""
+    from tvm_comfuse.schedule import wgmma_b2b as wb, wgmma_mainloop as wm  # pylint: disable=import-outside-toplevel
+
+    source = codegen.cuda_source(wm.build(wb.wgmma_b2b(128, 128, 256, 192, "float16", "gelu")))
+    ptx = codegen.compile_with_nvcc(source, "sm_90a", fmt="ptx").decode()
+    body = ptx[ptx.index(".entry"):]
+    assert re.search(r"wgmma\.mma_async\S*m64n128k16\S*\s+\{[^}]*\},\s+%rd", body)  # GEMM 1: A from shared memory
+    assert re.search(r"wgmma\.mma_async\S*m64n128k16\S*\s+\{[^}]*\},\s+\{%r", body)  # GEMM 2: A from registers
+    assert "cvt.rn.f16x2.f32" in body and "st.shared" not in body
+    assert codegen.compile_with_nvcc(source, "sm_90a")[:4] == b"\x7fELF"
+    with pytest.raises(cf.ComFuseError, match="N1 = 320"):
+        wb.wgmma_b2b(128, 320, 256, 192)

@@ -245,3 +245,23 @@ def test_gpu_hopper_pipeline_matches_pytorch(M, K, N, dtype, norm, batch):
     assert any(k.startswith("comfuse_wgmma_") for k in kernels)
     ref = wl.post_norm_reference([a.float().cpu().numpy() for a in args], norm, linear=True)[0]
     assert (out.cpu().double() - torch.from_numpy(ref)).abs().max().item() <= TOL[dtype]
+
+
+@pytest.mark.parametrize("M, N1, N2, K, act", [(256, 64, 384, 128, "relu"), (4096, 256, 1024, 1024, "gelu"), (128, 128, 256, 192, "silu")])
+def test_gpu_wgmma_b2b_matches_torch(M, N1, N2, K, act):
+    """The Hopper back-to-back GEMM (intermediate in registers) against PyTorch in fp32."""
+    import tvm  # pylint: disable=import-outside-toplevel
+
+    from tvm_comfuse.schedule import wgmma_b2b as wb, wgmma_mainloop as wm  # pylint: disable=import-outside-toplevel
+
+    if tvm.cuda(0).compute_version != "9.0":
+        pytest.skip("wgmma needs an sm_90 GPU")
+    g = torch.Generator(device="cuda").manual_seed(M + N1 + N2)
+    rnd = lambda *s: torch.randn(*s, device="cuda", dtype=torch.float16, generator=g)  # noqa: E731
+    x, w1, b1, w2, b2 = rnd(M, K), rnd(N1, K) / K**0.5, rnd(N1), rnd(N2, N1) / N1**0.5, rnd(N2)
+    out = torch.full((M, N2), float("nan"), device="cuda", dtype=torch.float16)
+    kernel = wm.build(wb.wgmma_b2b(M, N1, N2, K, "float16", act))["main"]
+    kernel(*[tvm.runtime.from_dlpack(t) for t in (x, w1, b1, w2, b2, out)])
+    f = torch.nn.functional
+    h = {"relu": f.relu, "gelu": f.gelu, "silu": f.silu}[act](x.float() @ w1.float().T + b1.float())
+    assert (out.float() - (h @ w2.float().T + b2.float())).abs().max().item() <= TOL["float16"]

@@ -22,6 +22,12 @@ of the 132 SMs), against the default's 2-CTA clusters of 384-column slices (128 
 Prediction: correct; the clusters beat whole rows; ~1.5x cuBLAS's GEMM time (~14 and ~40 us at
 N = 768): faster than today's kernel, near torch.compile (15.0, 33.0).
 
+And the back-to-back GEMM (``wgmma_b2b``, issue 5: ``gelu(x @ w1.T + b1) @ w2.T + b2`` with the
+intermediate in registers) on issue 5's MLP shapes (intermediate 64, 128, 256; M = 16384 and
+65536; d_model 1024) against eager PyTorch (two cuBLAS GEMMs and the elementwise kernels) and
+torch.compile. Prediction: correct; faster than eager wherever the intermediate is 128 or
+narrower (the round trip of the intermediate dominates two skinny GEMMs).
+
 Run on the GPU: ``bash .ci/gpu-run notebooks/results/experiments/wgmma_gemm.py`` (writes
 ``$OUT/wgmma-gemm.json``).
 """
@@ -34,6 +40,7 @@ import torch
 from tvm_comfuse import bench
 from tvm_comfuse.schedule.space_check import _median_us
 from tvm_comfuse.schedule.wgmma_mainloop import WgmmaConfig, build, wgmma_gemm
+from tvm_comfuse.schedule.wgmma_b2b import wgmma_b2b
 from tvm_comfuse.schedule.wgmma_postnorm import PostNorm, default_config, wgmma_postnorm
 
 import tvm
@@ -76,6 +83,7 @@ def main():
             print(f"  {cfg}: " + (f"err {row['max_abs_err']:.3g}, {row['us']:.1f} us, {row['tflops']:.0f} TFLOP/s, "
                                   f"{row['vs_cublas']:.2f}x cuBLAS" if "us" in row else row["error"]), flush=True)
     rows += postnorm()
+    rows += b2b()
     out = os.path.join(os.environ.get("OUT", "."), "wgmma-gemm.json")
     with open(out, "w", encoding="utf-8") as f:
         json.dump({"environment": bench.environment(), "units": "us per call (median of CUDA-event means)", "rows": rows}, f, indent=1)
@@ -110,6 +118,36 @@ def postnorm():
                 row["error"] = (str(err).strip().splitlines() or [type(err).__name__])[-1][:200]
             rows.append(row)
             print(f"  {cfg}: " + (f"err {row['max_abs_err']:.3g}, {row['us']:.1f} us" if "us" in row else row["error"]), flush=True)
+    return rows
+
+
+def b2b(d_model: int = 1024):
+    """gelu(x @ w1.T + b1) @ w2.T + b2: the back-to-back kernel against eager and torch.compile."""
+    rows, gen, f = [], torch.Generator(device="cuda").manual_seed(2), torch.nn.functional
+    for m in (16384, 65536):
+        for n1 in (64, 128, 256):
+            rnd = lambda *s: torch.randn(*s, device="cuda", dtype=torch.float16, generator=gen)  # noqa: E731
+            x, w1, b1, w2, b2 = rnd(m, d_model), rnd(n1, d_model) / d_model**0.5, rnd(n1), rnd(d_model, n1) / n1**0.5, rnd(d_model)
+            ref = f.gelu(x.float() @ w1.float().T + b1.float()) @ w2.float().T + b2.float()
+            eager = lambda: f.linear(f.gelu(f.linear(x, w1, b1)), w2, b2)  # noqa: E731,B023
+            compiled = torch.compile(lambda a: f.linear(f.gelu(f.linear(a, w1, b1)), w2, b2), dynamic=False)  # noqa: B023
+            base = dict(M=m, K=d_model, N1=n1, N=d_model, dtype="float16", op="b2b_gelu")
+            for name, fn in [("eager", eager), ("inductor", lambda: compiled(x))]:  # noqa: B023
+                rows.append(dict(base, contender=name, us=_median_us(torch, fn)))
+            row = dict(base, contender="wgmma_b2b")
+            try:
+                kernel = build(wgmma_b2b(m, n1, d_model, d_model, "float16", "gelu"))["main"]
+                out = torch.full((m, d_model), float("nan"), device="cuda", dtype=torch.float16)
+                args = [tvm.runtime.from_dlpack(t) for t in (x, w1, b1, w2, b2, out)]
+                kernel(*args)
+                torch.cuda.synchronize()
+                row["max_abs_err"] = float((out.float() - ref).abs().max())
+                row["us"] = _median_us(torch, lambda: kernel(*args))  # noqa: B023
+            except Exception as err:  # pylint: disable=broad-except
+                row["error"] = (str(err).strip().splitlines() or [type(err).__name__])[-1][:200]
+            rows.append(row)
+            print(f"{m}x{d_model} -> {n1} -> {d_model}: eager {rows[-3]['us']:.1f}, inductor {rows[-2]['us']:.1f}, "
+                  + (f"b2b {row['us']:.1f} us (err {row['max_abs_err']:.3g})" if "us" in row else row["error"]), flush=True)
     return rows
 
 
