@@ -214,8 +214,9 @@ def get_pipeline(target, database=None, hopper: bool = False) -> tvm.transform.P
         Tuning logs to apply before the defaults.
     hopper : bool
         On sm_90 targets, run the post-norm groups the Hopper kernel takes (wgmma mainloop,
-        whole rows up to 768 wide) as that kernel instead of the mma.sync rule's. Off by
-        default: not yet measured on a GPU (issue 8).
+        rows up to 6144 wide sliced over a thread-block cluster) as that kernel instead of the
+        mma.sync rule's, including rows too wide for the rule. Off by default: not yet measured
+        on a GPU (issue 8).
     """
     target = parse_target(target)
     backend = _backend(target)
