@@ -39,8 +39,8 @@ import torch
 
 from tvm_comfuse import bench
 from tvm_comfuse.schedule.space_check import _median_us
-from tvm_comfuse.schedule.wgmma_mainloop import WgmmaConfig, build, wgmma_gemm
 from tvm_comfuse.schedule.wgmma_b2b import wgmma_b2b
+from tvm_comfuse.schedule.wgmma_mainloop import WgmmaConfig, build, wgmma_gemm
 from tvm_comfuse.schedule.wgmma_postnorm import PostNorm, default_config, wgmma_postnorm
 
 import tvm
@@ -49,6 +49,23 @@ SHAPES = [(4096, 4096, 4096, "float16"), (4096, 768, 768, "float16"), (4096, 409
           (8192, 4096, 4096, "float16")]  # M, K, N; most telling first (a run cut short keeps them)
 CONFIGS = [WgmmaConfig(128, 256, 4), WgmmaConfig(128, 128, 4), WgmmaConfig(128, 256, 3), WgmmaConfig(64, 256, 4),
            WgmmaConfig(128, 128, 6)]
+
+
+def measure(row: dict, make, inputs: list, out, ref) -> dict:
+    """Build the tirx kernel ``make()`` returns, run it on ``inputs`` into ``out`` (NaN-filled
+    first), then record its max error against ``ref`` and its median time in ``row``; a failure
+    is recorded there, not raised, so one bad configuration does not end the run."""
+    try:
+        kernel = build(make())["main"]
+        out.fill_(float("nan"))
+        args = [tvm.runtime.from_dlpack(t) for t in (*inputs, out)]
+        kernel(*args)
+        torch.cuda.synchronize()
+        row["max_abs_err"] = float((out.float() - ref).abs().max())
+        row["us"] = _median_us(torch, lambda: kernel(*args))
+    except Exception as err:  # pylint: disable=broad-except
+        row["error"] = (str(err).strip().splitlines() or [type(err).__name__])[-1][:200]
+    return row
 
 
 def main():
@@ -65,20 +82,12 @@ def main():
         rows.append(dict(base, contender="cublas", us=us, tflops=flops / us / 1e6,
                          max_abs_err=float((cublas.float() - ref).abs().max())))
         print(f"{m}x{k}x{n} {dtype} cuBLAS: {us:.1f} us, {flops / us / 1e6:.0f} TFLOP/s", flush=True)
+        c = torch.empty(m, n, device="cuda", dtype=tdt)
         for cfg in CONFIGS:
             row = dict(base, contender="wgmma", config=dict(bm=cfg.bm, bn=cfg.bn, stages=cfg.stages))
-            try:
-                kernel = build(wgmma_gemm(m, n, k, dtype, cfg))["main"]
-                c = torch.full((m, n), float("nan"), device="cuda", dtype=tdt)
-                args = [tvm.runtime.from_dlpack(t) for t in (a, b, c)]
-                kernel(*args)
-                torch.cuda.synchronize()
-                row["max_abs_err"] = float((c.float() - ref).abs().max())
-                row["us"] = _median_us(torch, lambda: kernel(*args))  # noqa: B023
-                row["tflops"] = flops / row["us"] / 1e6
-                row["vs_cublas"] = us / row["us"]
-            except Exception as err:  # pylint: disable=broad-except
-                row["error"] = (str(err).strip().splitlines() or [type(err).__name__])[-1][:200]
+            measure(row, lambda: wgmma_gemm(m, n, k, dtype, cfg), [a, b], c, ref)  # noqa: B023
+            if "us" in row:
+                row.update(tflops=flops / row["us"] / 1e6, vs_cublas=us / row["us"])
             rows.append(row)
             print(f"  {cfg}: " + (f"err {row['max_abs_err']:.3g}, {row['us']:.1f} us, {row['tflops']:.0f} TFLOP/s, "
                                   f"{row['vs_cublas']:.2f}x cuBLAS" if "us" in row else row["error"]), flush=True)
@@ -106,17 +115,8 @@ def postnorm():
         for cfg in [default_config(n, m), *whole]:
             row = dict(base, contender="wgmma_postnorm",
                        config=dict(ranks=n // cfg.bn, bn=cfg.bn, bk=cfg.bk, stages=cfg.stages, wg_n=cfg.wg_n))
-            try:
-                kernel = build(wgmma_postnorm(m, n, k, PostNorm.suite("float16", "layer_norm"), cfg))["main"]
-                out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.float16)
-                args = [tvm.runtime.from_dlpack(t) for t in (x, w, b, r, g, be, out)]
-                kernel(*args)
-                torch.cuda.synchronize()
-                row["max_abs_err"] = float((out.float() - ref).abs().max())
-                row["us"] = _median_us(torch, lambda: kernel(*args))  # noqa: B023
-            except Exception as err:  # pylint: disable=broad-except
-                row["error"] = (str(err).strip().splitlines() or [type(err).__name__])[-1][:200]
-            rows.append(row)
+            make = lambda: wgmma_postnorm(m, n, k, PostNorm.suite("float16", "layer_norm"), cfg)  # noqa: E731,B023
+            rows.append(measure(row, make, [x, w, b, r, g, be], torch.empty(m, n, device="cuda", dtype=torch.float16), ref))
             print(f"  {cfg}: " + (f"err {row['max_abs_err']:.3g}, {row['us']:.1f} us" if "us" in row else row["error"]), flush=True)
     return rows
 
@@ -135,17 +135,8 @@ def b2b(d_model: int = 1024):
             for name, fn in [("eager", eager), ("inductor", lambda: compiled(x))]:  # noqa: B023
                 rows.append(dict(base, contender=name, us=_median_us(torch, fn)))
             row = dict(base, contender="wgmma_b2b")
-            try:
-                kernel = build(wgmma_b2b(m, n1, d_model, d_model, "float16", "gelu"))["main"]
-                out = torch.full((m, d_model), float("nan"), device="cuda", dtype=torch.float16)
-                args = [tvm.runtime.from_dlpack(t) for t in (x, w1, b1, w2, b2, out)]
-                kernel(*args)
-                torch.cuda.synchronize()
-                row["max_abs_err"] = float((out.float() - ref).abs().max())
-                row["us"] = _median_us(torch, lambda: kernel(*args))  # noqa: B023
-            except Exception as err:  # pylint: disable=broad-except
-                row["error"] = (str(err).strip().splitlines() or [type(err).__name__])[-1][:200]
-            rows.append(row)
+            make = lambda: wgmma_b2b(m, n1, d_model, d_model, "float16", "gelu")  # noqa: E731,B023
+            rows.append(measure(row, make, [x, w1, b1, w2, b2], torch.empty(m, d_model, device="cuda", dtype=torch.float16), ref))
             print(f"{m}x{d_model} -> {n1} -> {d_model}: eager {rows[-3]['us']:.1f}, inductor {rows[-2]['us']:.1f}, "
                   + (f"b2b {row['us']:.1f} us (err {row['max_abs_err']:.3g})" if "us" in row else row["error"]), flush=True)
     return rows
