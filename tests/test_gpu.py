@@ -178,6 +178,12 @@ def test_gpu_fuzz_regressions(seed):
     assert rec["ok"], rec["error"]
 
 
+def _need_sm90(tvm):
+    """The Hopper kernels issue wgmma, which only sm_90 runs."""
+    if tvm.cuda(0).compute_version != "9.0":
+        pytest.skip("wgmma needs an sm_90 GPU")
+
+
 @pytest.mark.parametrize("M, N, K, dtype, cfg", [
     (256, 512, 320, "float16", (128, 256, 4)), (128, 256, 192, "bfloat16", (64, 128, 3)),
     (4096, 768, 768, "float16", (128, 128, 4)),
@@ -189,8 +195,7 @@ def test_gpu_wgmma_mainloop_matches_torch(M, N, K, dtype, cfg):
 
     from tvm_comfuse.schedule import wgmma_mainloop as wm  # pylint: disable=import-outside-toplevel
 
-    if tvm.cuda(0).compute_version != "9.0":
-        pytest.skip("wgmma needs an sm_90 GPU")
+    _need_sm90(tvm)
     tdt = getattr(torch, dtype)
     g = torch.Generator(device="cuda").manual_seed(M + N + K)
     a = torch.randn(M, K, device="cuda", dtype=tdt, generator=g)
@@ -213,8 +218,7 @@ def test_gpu_wgmma_postnorm_matches_torch(M, N, K, dtype, norm, whole_rows):
 
     from tvm_comfuse.schedule import wgmma_mainloop as wm, wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
 
-    if tvm.cuda(0).compute_version != "9.0":
-        pytest.skip("wgmma needs an sm_90 GPU")
+    _need_sm90(tvm)
     x, w, b, r, g, be = _inputs(M, K, N, dtype, linear=True)
     out = torch.full((M, N), float("nan"), device="cuda", dtype=x.dtype)
     cfg = wm.WgmmaConfig(64, N, 2, 64, N // 256) if whole_rows else None
@@ -235,8 +239,7 @@ def test_gpu_hopper_pipeline_matches_pytorch(M, K, N, dtype, norm, batch):
     kernel (linked through external_mods, called by the VM) and matches PyTorch in fp32."""
     import tvm  # pylint: disable=import-outside-toplevel
 
-    if tvm.cuda(0).compute_version != "9.0":
-        pytest.skip("wgmma needs an sm_90 GPU")
+    _need_sm90(tvm)
     mod = wl.post_norm(M, K, N, dtype, norm, linear=True, batch=batch)
     args = _inputs(M * (batch or 1), K, N, dtype, linear=True)
     if batch:
@@ -254,8 +257,7 @@ def test_gpu_wgmma_b2b_matches_torch(M, N1, N2, K, act):
 
     from tvm_comfuse.schedule import wgmma_b2b as wb, wgmma_mainloop as wm  # pylint: disable=import-outside-toplevel
 
-    if tvm.cuda(0).compute_version != "9.0":
-        pytest.skip("wgmma needs an sm_90 GPU")
+    _need_sm90(tvm)
     g = torch.Generator(device="cuda").manual_seed(M + N1 + N2)
     rnd = lambda *s: torch.randn(*s, device="cuda", dtype=torch.float16, generator=g)  # noqa: E731
     x, w1, b1, w2, b2 = rnd(M, K), rnd(N1, K) / K**0.5, rnd(N1), rnd(N2, N1) / N1**0.5, rnd(N2)
