@@ -198,9 +198,10 @@ class OffloadHopperPostNorm:  # pylint: disable=too-few-public-methods
     """Replace the post-norm groups the wgmma kernel takes by calls of it (see the module
     docstring); a no-op unless ``target`` is an sm_90 CUDA target.
 
-    ``build(prim_func, symbol, spec)`` makes each kernel available under ``symbol``: by default
-    it compiles the tirx PrimFunc for sm_90a and returns the module to link; a test passes one
-    that registers a NumPy model under ``symbol`` (returning None), to check the rewrite on CPU.
+    ``build(prim_func, symbol, spec, (m, n, k))`` makes each kernel available under ``symbol``:
+    by default it compiles the tirx PrimFunc for sm_90a and returns the module to link through
+    ``external_mods``; the CPU tests pass one that links an llvm kernel of the same signature,
+    or registers a NumPy model under ``symbol`` (returning None, nothing to link).
     """
 
     def __init__(self, target, build=None):
@@ -213,7 +214,7 @@ class OffloadHopperPostNorm:  # pylint: disable=too-few-public-methods
 
         if self.build is None and not is_hopper(self.target):
             return mod
-        build = self.build or (lambda func, symbol, _spec: _build(func, symbol, self.target))
+        build = self.build or (lambda func, symbol, _spec, _mnk: _build(func, symbol, self.target))
         offloads, built = {}, []
         for gv, func in mod.functions_items():
             if not isinstance(func, relax.Function) or str((func.attrs or {}).get(KIND_ATTR, "")) != "gemm_reduce":
@@ -227,7 +228,7 @@ class OffloadHopperPostNorm:  # pylint: disable=too-few-public-methods
                 LOG.info("ComFuse: %s stays with the gemm_reduce rule, the wgmma kernel cannot take %s", gv.name_hint, "; ".join(why))
                 continue
             symbol = f"comfuse_wgmma_{len(offloads)}_{gv.name_hint}"[:120]
-            module = build(wp.wgmma_postnorm(*mnk, spec, lead=out_shape[:-1]), symbol, spec)
+            module = build(wp.wgmma_postnorm(*mnk, spec, lead=out_shape[:-1]), symbol, spec, mnk)
             if module is not None:
                 built.append(module)
             offloads[gv.name_hint] = (symbol, roles, out_shape, spec.out_dtype, order)
