@@ -13,7 +13,6 @@ import importlib
 import json
 import logging
 import os
-import re
 
 import tvm
 from tvm import relax
@@ -65,14 +64,12 @@ def register_tensor_intrinsics(records: str | None = None) -> None:
     registers only when it schedules one)."""
     import tvm.s_tir.tensor_intrin.cuda  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
 
-    from .schedule.cluster import allgather  # pylint: disable=import-outside-toplevel
+    from .schedule.cluster import register_named  # pylint: disable=import-outside-toplevel
 
     if records is None or not os.path.isfile(records):
         return
     with open(records, encoding="utf-8", errors="replace") as f:
-        named = set(re.findall(r"comfuse_cluster_allgather_(\w+?)_(\d+)_x(\d+)", f.read()))
-    for dtype, count, ranks in sorted(named):
-        allgather(dtype, int(count), int(ranks))
+        register_named(f.read())
 
 
 def _machine(target: tvm.target.Target) -> tuple:

@@ -18,6 +18,8 @@ the loop every slot of ``C`` is written, which is what the pushes achieve on the
 
 from __future__ import annotations
 
+import re
+
 from tvm.s_tir import TensorIntrin
 from tvm.script import tirx as T
 
@@ -62,6 +64,16 @@ def allgather(dtype: str, count: int, ranks: int) -> str:
     if TensorIntrin.get(name, allow_missing=True) is None:
         register(name, dtype, count, _source(name, dtype, count, ranks))
     return name
+
+
+#: What :func:`allgather` names: ``(dtype, count, ranks)`` back from a name in any text.
+_NAME = re.compile(r"comfuse_cluster_allgather_(\w+?)_(\d+)_x(\d+)")
+
+
+def register_named(text: str) -> None:
+    """Register every ``allgather`` intrinsic ``text`` names (a tuning-record file's traces)."""
+    for dtype, count, ranks in sorted(set(_NAME.findall(text))):
+        allgather(dtype, int(count), int(ranks))
 
 
 def register(name: str, dtype: str, count: int, source: str) -> None:
