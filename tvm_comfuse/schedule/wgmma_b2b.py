@@ -20,7 +20,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from ..errors import ComFuseError
-from .wgmma_mainloop import _PTX_TYPE, SMEM_LIMIT, WgmmaConfig, fragment, mainloop
+from .wgmma_mainloop import _PTX_TYPE, SMEM_LIMIT, WgmmaConfig, fragment, mainloop, swizzled_copy
 
 ACTIVATIONS = ("identity", "relu", "gelu", "silu")
 
@@ -74,20 +74,17 @@ def wgmma_b2b(m: int, n1: int, n2: int, k: int, dtype: str = "float16", act: str
     ring = cfg.stages * (64 + n1) * 64
     pool = max(ring, 2 * n1 * bn2)  # phase 2's w2 tiles reuse phase 1's ring
     acc1_n, acc2_n, slices, tiles = n1 // 2, bn2 // 2, n1 // 16, n2 // bn2
-    chunks = bn2 * n1 // 8  # 16-byte pieces of one w2 tile
     t = _PTX_TYPE[dtype]
     mma2 = f"wgmma.mma_async.sync.aligned.m64n{bn2}k16.f32.{t}.{t}"
     pack = f"cvt.rn.{t}x2.f32"
 
+    copy_rows = swizzled_copy(64, 128)
+
     # pylint: disable=invalid-name,unused-variable,too-many-locals
     @T.macro
-    def load_w2(W2, W2s, tx, slot, tile):  # rows [tile * bn2, +bn2) of w2, as n1 / 64 swizzled sub-tiles
-        for i in T.unroll(chunks // 128):
-            r = T.meta_var((i * 128 + tx) // (n1 // 8))
-            c = T.meta_var((i * 128 + tx) % (n1 // 8))
-            T.ptx["cp.async.cg.shared.global"](
-                W2s.ptr_to([slot, c // 8, r, (c % 8 ^ r % 8) * 8]), W2.ptr_to([tile * bn2 + r, c * 8]), 16
-            )
+    def load_w2(W2, W2v, tx, slot, tile):  # rows [tile * bn2, +bn2) of w2, as n1 / 64 swizzled sub-tiles
+        for c in T.unroll(n1 // 64):
+            copy_rows(W2v, tx, slot * (n1 // 64) + c, 0, W2, bn2, tile * bn2, c)
 
     @T.prim_func
     def b2b(x: T.handle, w1: T.handle, b1: T.handle, w2: T.handle, b2: T.handle, o: T.handle):
@@ -103,6 +100,7 @@ def wgmma_b2b(m: int, n1: int, n2: int, k: int, dtype: str = "float16", act: str
         P = T.alloc_shared([pool], dtype, scope="shared.dyn", align=1024)
         S = T.decl_buffer((cfg.stages, 64 + n1, 64), dtype, data=P.data, scope="shared.dyn")
         W2s = T.decl_buffer((2, n1 // 64, bn2, 64), dtype, data=P.data, scope="shared.dyn")
+        W2v = T.decl_buffer((2 * (n1 // 64), bn2, 64), dtype, data=P.data, scope="shared.dyn")  # one slot per sub-tile
         acc1 = T.alloc_local([acc1_n], "float32")
         acc2 = T.alloc_local([acc2_n], "float32")
         frag = T.alloc_local([slices * 4], "uint32")
@@ -116,11 +114,11 @@ def wgmma_b2b(m: int, n1: int, n2: int, k: int, dtype: str = "float16", act: str
                 hi = T.meta_var(_activate(acc1[8 * j + 2 * p + 1] + T.cast(bias1[col + 1], "float32"), act))
                 T.ptx[pack](frag[4 * j + p], hi, lo)
         T.cuda.cta_sync()  # the ring is free: w2 tiles take its place
-        load_w2(W2, W2s, tx, 0, 0)
+        load_w2(W2, W2v, tx, 0, 0)
         T.ptx["cp.async.commit_group"]()
         for tile in T.serial(tiles):
             if tile + 1 < tiles:
-                load_w2(W2, W2s, tx, (tile + 1) % 2, tile + 1)
+                load_w2(W2, W2v, tx, (tile + 1) % 2, tile + 1)
             T.ptx["cp.async.commit_group"]()
             T.ptx["cp.async.wait_group"](1)
             T.ptx["fence.proxy.async.shared::cta"]()

@@ -92,21 +92,17 @@ class WgmmaConfig:
             raise ComFuseError("wgmma GEMM cannot use " + "; ".join(found))
 
 
-def mainloop(cfg: WgmmaConfig, k: int, dtype: str):
-    """The K loop as a tirx macro ``run(A, B, S, acc, da, db, tx, bx, by)``: ``acc`` (``wg_cols /
-    2`` fp32 per thread) ends holding thread ``tx``'s share of its warpgroup's ``64 x wg_cols``
-    tile of ``A @ B.T`` for the CTA at row tile ``bx``, column tile ``by``. ``S`` is the
-    ``[stages, bm + bn, bk]`` ring, ``da``, ``db`` one uint64 each for the descriptors."""
-    bm, bn, bk, st, nt = cfg.bm, cfg.bn, cfg.bk, cfg.stages, cfg.threads
-    kt, lead, chunks = k // bk, cfg.stages - 1, cfg.bk // 8
-    acc_n, wg_cols = cfg.wg_cols // 2, cfg.wg_cols
-    mma = f"wgmma.mma_async.sync.aligned.m64n{wg_cols}k16.f32.{_PTX_TYPE[dtype]}.{_PTX_TYPE[dtype]}"
-    sbo = 8 * bk * 2 >> 4  # 8 swizzled rows between core-matrix groups, in 16-byte units
+def swizzled_copy(bk: int, nt: int):
+    """The tirx macro ``copy_rows(S, tx, slot, base, src, rows, row0, kk)``: ``nt`` threads copy
+    rows ``[row0, row0 + rows)`` of ``src``'s K step ``kk`` (``bk`` columns) by cp.async into
+    rows ``[base, base + rows)`` of ``S[slot]``, in the ``2 * bk``-byte swizzle the descriptors
+    of :func:`mainloop` read (``base`` a multiple of 8)."""
+    chunks = bk // 8
     phase = 128 // (bk * 2)  # rows per 128 bytes: the swizzle's XOR term is (row // phase) % chunks
 
-    # pylint: disable=invalid-name,undefined-variable
+    # pylint: disable=invalid-name
     @T.macro
-    def copy_rows(S, tx, slot, base, src, rows, row0, kk):  # rows [row0, row0 + rows) of src, K step kk
+    def copy_rows(S, tx, slot, base, src, rows, row0, kk):
         for i in T.unroll((rows * chunks + nt - 1) // nt):
             if rows * chunks % nt == 0 or i * nt + tx < rows * chunks:
                 r = T.meta_var((i * nt + tx) // chunks)
@@ -115,6 +111,23 @@ def mainloop(cfg: WgmmaConfig, k: int, dtype: str):
                     S.ptr_to([slot, base + r, (j ^ ((r // phase) % chunks)) * 8]), src.ptr_to([row0 + r, kk * bk + j * 8]), 16
                 )
 
+    return copy_rows
+
+
+def mainloop(cfg: WgmmaConfig, k: int, dtype: str):
+    """The K loop as a tirx macro ``run(A, B, S, acc, da, db, tx, bx, by)``: ``acc`` (``wg_cols /
+    2`` fp32 per thread) ends holding thread ``tx``'s share of its warpgroup's ``64 x wg_cols``
+    tile of ``A @ B.T`` for the CTA at row tile ``bx``, column tile ``by``. ``S`` is the
+    ``[stages, bm + bn, bk]`` ring, ``da``, ``db`` one uint64 each for the descriptors."""
+    bm, bn, bk, st, nt = cfg.bm, cfg.bn, cfg.bk, cfg.stages, cfg.threads
+    kt, lead = k // bk, cfg.stages - 1
+    acc_n, wg_cols = cfg.wg_cols // 2, cfg.wg_cols
+    mma = f"wgmma.mma_async.sync.aligned.m64n{wg_cols}k16.f32.{_PTX_TYPE[dtype]}.{_PTX_TYPE[dtype]}"
+    sbo = 8 * bk * 2 >> 4  # 8 swizzled rows between core-matrix groups, in 16-byte units
+
+    copy_rows = swizzled_copy(bk, nt)
+
+    # pylint: disable=invalid-name
     @T.macro
     def load(A, B, S, tx, bx, by, slot, kk):
         copy_rows(S, tx, slot, 0, A, bm, bx * bm, kk)
