@@ -24,7 +24,9 @@ setup(
     ],
     extras_require={
         "models": ["torch>=2.4", "transformers>=4.45"],
-        "test": ["pytest>=7", "torch>=2.4", "transformers>=4.45", "nbformat", "nbclient", "ipykernel", "matplotlib"],
+        # nvidia-cuda-nvdisasm: the SASS checks of the Hopper kernels (tests/test_codegen.py)
+        "test": ["pytest>=7", "torch>=2.4", "transformers>=4.45", "nbformat", "nbclient", "ipykernel", "matplotlib",
+                 "nvidia-cuda-nvdisasm"],
     },
     entry_points={"console_scripts": ["comfuse=tvm_comfuse.cli.main:main"]},
 )

@@ -293,8 +293,10 @@ def test_two_ctas_per_sm_are_offered_only_where_both_fit():
 
 @pytest.mark.parametrize("dtype, cfg", [("float16", (128, 256, 4)), ("bfloat16", (64, 128, 3))])
 def test_wgmma_mainloop_compiles_to_wgmma_for_sm90a(dtype, cfg):
-    """The Hopper mainloop prototype (issue 8): the tirx GEMM's PTX issues wgmma.mma_async from
-    shared-memory descriptors, and ptxas accepts it for sm_90a."""
+    """The Hopper mainloop (issue 8): the tirx GEMM's PTX loads tiles by TMA into an mbarrier
+    ring, issues wgmma.mma_async from shared-memory descriptors with one group kept in flight,
+    gives the producer's registers to the consumers where the launch bound caps them, and ptxas
+    accepts it for sm_90a."""
     from tvm_comfuse.schedule import wgmma_mainloop as wm  # pylint: disable=import-outside-toplevel
 
     bm, bn, stages = cfg
@@ -304,8 +306,52 @@ def test_wgmma_mainloop_compiles_to_wgmma_for_sm90a(dtype, cfg):
     body = ptx[ptx.index(".entry"):]
     # 4 k16 steps per K step of 64, the K loop rolled or unrolled (5 K steps) by nvcc
     assert body.count(f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.{t}.{t}") in (4, 20)
-    assert "wgmma.wait_group.sync.aligned" in body and "cp.async.cg.shared.global" in body
+    assert "wgmma.wait_group.sync.aligned 1" in body and "mbarrier.try_wait.parity" in body
+    assert "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes" in body
+    assert "cp.async.cg" not in body and body.count("bar.sync") == 1  # after the barriers' init: none in the K loop
+    assert ("setmaxnreg.inc.sync.aligned.u32" in body) == (bm // 64 > 1)  # 384 threads: capped at 168 registers
+    assert "CUtensorMap" in source and "__grid_constant__" in source
     assert codegen.compile_with_nvcc(source, "sm_90a")[:4] == b"\x7fELF"
+
+
+@pytest.mark.parametrize("kernel", ["gemm", "gemm_one_step", "postnorm_768", "postnorm_768_bk32", "postnorm_512_cluster",
+                                    "postnorm_1024", "rms_norm", "b2b", "b2b_bm64"])
+def test_wgmma_kernels_read_accumulators_only_after_the_last_wait(kernel):
+    """No SASS instruction touches a wgmma accumulator while a wgmma group may still write it.
+    ptxas hoists epilogue arithmetic above the final ``wait_group 0`` when the K loop leaves a
+    group in flight: session 8's post-norm kernels were wrong on the H200 that way (max error ~1)
+    while their PTX was in order; the mainloop's last step, issued outside the loop, prevents it."""
+    from tvm_comfuse.schedule import wgmma_b2b as wb, wgmma_mainloop as wm, wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
+
+    if codegen.nvdisasm() is None:
+        pytest.fail("nvdisasm is missing: pip install nvidia-cuda-nvdisasm (the test extra)")
+    ln = wp.PostNorm.suite()
+    func = {
+        "gemm": lambda: wm.wgmma_gemm(1024, 1024, 1024), "gemm_one_step": lambda: wm.wgmma_gemm(128, 256, 64, cfg=wm.WgmmaConfig(128, 256, 2)),
+        "postnorm_768": lambda: wp.wgmma_postnorm(4096, 768, 768, ln),
+        "postnorm_768_bk32": lambda: wp.wgmma_postnorm(4096, 768, 768, ln, wm.WgmmaConfig(64, 384, 6, 32, 2)),
+        "postnorm_512_cluster": lambda: wp.wgmma_postnorm(4096, 512, 768, ln, wm.WgmmaConfig(64, 256, 4, 64, 1)),
+        "postnorm_1024": lambda: wp.wgmma_postnorm(4096, 1024, 4096, ln),
+        "rms_norm": lambda: wp.wgmma_postnorm(256, 256, 128, wp.PostNorm.suite("float16", "rms_norm")),
+        "b2b": lambda: wb.wgmma_b2b(1024, 256, 1024, 1024, "float16", "gelu"),
+        "b2b_bm64": lambda: wb.wgmma_b2b(1024, 64, 1024, 1024, "float16", "gelu", 64),
+    }[kernel]()
+    sass = codegen.sass(codegen.compile_with_nvcc(codegen.cuda_source(wm.build(func)), "sm_90a"))
+    assert "HGMMA" in sass
+    assert codegen.wgmma_hazards(sass) == []
+
+
+def test_wgmma_hazard_check_finds_accumulators_read_in_flight():
+    """The check itself: an HGMMA whose accumulators are converted before the final wait (as in
+    session 8's SASS) is reported; the same after ``DEPBAR.LE gsb0, 0x0`` is not."""
+    sass = """
+        /*0eb0*/                   HGMMA.64x192x16.F32 R24, gdesc[UR8], R24, gsb0 ;
+        /*0ec0*/                   WARPGROUP.DEPBAR.LE gsb0, 0x1 ;
+        /*1430*/                   F2FP.F16.F32.PACK_AB R135, R119, R118 ;
+        /*1730*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+        /*1740*/                   F2FP.F16.F32.PACK_AB R136, R117, R116 ;
+    """
+    assert codegen.wgmma_hazards(sass) == ["F2FP.F16.F32.PACK_AB R135, R119, R118"]
 
 
 def test_wgmma_mainloop_rejects_tiles_it_cannot_run():

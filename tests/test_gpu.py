@@ -186,7 +186,8 @@ def _need_sm90(tvm):
 
 @pytest.mark.parametrize("M, N, K, dtype, cfg", [
     (256, 512, 320, "float16", (128, 256, 4)), (128, 256, 192, "bfloat16", (64, 128, 3)),
-    (4096, 768, 768, "float16", (128, 128, 4)),
+    (4096, 768, 768, "float16", (128, 128, 4)), (384, 384, 96, "float16", (192, 128, 2, 32)),
+    (256, 512, 1024, "bfloat16", (256, 128, 3)),
 ])
 def test_gpu_wgmma_mainloop_matches_torch(M, N, K, dtype, cfg):
     """The Hopper mainloop prototype (tirx, wgmma from swizzled shared memory) computes
@@ -206,14 +207,15 @@ def test_gpu_wgmma_mainloop_matches_torch(M, N, K, dtype, cfg):
     assert (c.float() - a.float() @ b.float().T).abs().max().item() <= TOL[dtype]
 
 
-@pytest.mark.parametrize("M, N, K, dtype, norm, whole_rows", [
-    (4096, 768, 768, "float16", "layer_norm", False), (4096, 768, 768, "float16", "layer_norm", True),
-    (16384, 1024, 256, "float16", "layer_norm", False), (192, 768, 3072, "float16", "layer_norm", False),
-    (128, 512, 256, "bfloat16", "layer_norm", False), (256, 256, 128, "float16", "rms_norm", False),
+@pytest.mark.parametrize("M, N, K, dtype, norm, cfg", [
+    (4096, 768, 768, "float16", "layer_norm", None), (4096, 768, 768, "float16", "layer_norm", (64, 192, 4, 64, 1)),
+    (16384, 1024, 256, "float16", "layer_norm", None), (192, 768, 3072, "float16", "layer_norm", None),
+    (128, 512, 256, "bfloat16", "layer_norm", None), (256, 256, 128, "float16", "rms_norm", None),
+    (128, 512, 128, "float16", "layer_norm", (64, 512, 2, 32, 2)),
 ])
-def test_gpu_wgmma_postnorm_matches_torch(M, N, K, dtype, norm, whole_rows):
-    """The fused Hopper post-norm (wgmma mainloop + register row epilogue, rows sliced over a
-    cluster, or whole rows in one CTA) against PyTorch in fp32."""
+def test_gpu_wgmma_postnorm_matches_torch(M, N, K, dtype, norm, cfg):
+    """The fused Hopper post-norm (warp-specialised wgmma mainloop + register row epilogue, rows
+    sliced over a cluster or whole in one CTA, 64- or 128-byte swizzle) against PyTorch in fp32."""
     import tvm  # pylint: disable=import-outside-toplevel
 
     from tvm_comfuse.schedule import wgmma_mainloop as wm, wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
@@ -221,9 +223,9 @@ def test_gpu_wgmma_postnorm_matches_torch(M, N, K, dtype, norm, whole_rows):
     _need_sm90(tvm)
     x, w, b, r, g, be = _inputs(M, K, N, dtype, linear=True)
     out = torch.full((M, N), float("nan"), device="cuda", dtype=x.dtype)
-    cfg = wm.WgmmaConfig(64, N, 2, 64, N // 256) if whole_rows else None
-    kernel = wm.build(wp.wgmma_postnorm(M, N, K, wp.PostNorm.suite(dtype, norm), cfg))["main"]
-    kernel(*[tvm.runtime.from_dlpack(t) for t in (x, w, b, r, g, be, out)])
+    kernel = wm.build(wp.wgmma_postnorm(M, N, K, wp.PostNorm.suite(dtype, norm), cfg and wm.WgmmaConfig(*cfg)))["main"]
+    params = (x, w, b, r, g, be) if norm == "layer_norm" else (x, w, b, r, g)  # RMSNorm has no beta
+    kernel(*[tvm.runtime.from_dlpack(t) for t in (*params, out)])
     y = x.float() @ w.float().T + b.float() + r.float()
     f = torch.nn.functional
     ref = f.layer_norm(y, (N,), g.float(), be.float()) if norm == "layer_norm" else f.rms_norm(y, (N,), g.float(), 1e-5)
@@ -250,8 +252,9 @@ def test_gpu_hopper_pipeline_matches_pytorch(M, K, N, dtype, norm, batch):
     assert (out.cpu().double() - torch.from_numpy(ref)).abs().max().item() <= TOL[dtype]
 
 
-@pytest.mark.parametrize("M, N1, N2, K, act", [(256, 64, 384, 128, "relu"), (4096, 256, 1024, 1024, "gelu"), (128, 128, 256, 192, "silu")])
-def test_gpu_wgmma_b2b_matches_torch(M, N1, N2, K, act):
+@pytest.mark.parametrize("M, N1, N2, K, act, bm", [(256, 64, 384, 128, "relu", 128), (4096, 256, 1024, 1024, "gelu", 128),
+                                                   (128, 128, 256, 192, "silu", 64), (192, 192, 96, 64, "gelu", 64)])
+def test_gpu_wgmma_b2b_matches_torch(M, N1, N2, K, act, bm):
     """The Hopper back-to-back GEMM (intermediate in registers) against PyTorch in fp32."""
     import tvm  # pylint: disable=import-outside-toplevel
 
@@ -262,7 +265,7 @@ def test_gpu_wgmma_b2b_matches_torch(M, N1, N2, K, act):
     rnd = lambda *s: torch.randn(*s, device="cuda", dtype=torch.float16, generator=g)  # noqa: E731
     x, w1, b1, w2, b2 = rnd(M, K), rnd(N1, K) / K**0.5, rnd(N1), rnd(N2, N1) / N1**0.5, rnd(N2)
     out = torch.full((M, N2), float("nan"), device="cuda", dtype=torch.float16)
-    kernel = wm.build(wb.wgmma_b2b(M, N1, N2, K, "float16", act))["main"]
+    kernel = wm.build(wb.wgmma_b2b(M, N1, N2, K, "float16", act, bm))["main"]
     kernel(*[tvm.runtime.from_dlpack(t) for t in (x, w1, b1, w2, b2, out)])
     f = torch.nn.functional
     h = {"relu": f.relu, "gelu": f.gelu, "silu": f.silu}[act](x.float() @ w1.float().T + b1.float())

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import glob
+import os
 import re
 import shutil
+import subprocess
+import tempfile
 
 import tvm
 from tvm.support import nvcc
@@ -38,3 +42,50 @@ def compile_with_nvcc(source: str, arch: str = "sm_90", fmt: str = "cubin") -> b
     RuntimeError on failure."""
     with tvm.target.Target({"kind": "cuda", "arch": arch}):  # nvcc.compile_cuda reads it
         return bytes(nvcc.compile_cuda(source, target_format=fmt, arch=arch, compiler="nvcc"))
+
+
+def nvdisasm() -> str | None:
+    """Path of nvdisasm: on PATH, or from the ``nvidia-cuda-nvdisasm`` wheel (the ``test`` extra)."""
+    found = shutil.which("nvdisasm")
+    if found:
+        return found
+    try:
+        import nvidia  # pylint: disable=import-outside-toplevel
+    except ImportError:
+        return None
+    paths = [p for root in nvidia.__path__ for p in glob.glob(os.path.join(root, "*", "bin", "nvdisasm"))]
+    return paths[0] if paths else None
+
+
+def sass(cubin: bytes) -> str:
+    """The SASS of a cubin (nvdisasm); raise RuntimeError without nvdisasm."""
+    tool = nvdisasm()
+    if tool is None:
+        raise RuntimeError("nvdisasm not found: pip install nvidia-cuda-nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([tool, "-c", f.name], capture_output=True, text=True, check=True).stdout
+
+
+_HGMMA = re.compile(r"HGMMA\.64x(\d+)x16\.F32\S*\s+R(\d+),")
+
+
+def wgmma_hazards(code: str) -> list:
+    """SASS instructions that touch an HGMMA accumulator register while an HGMMA group may still
+    be writing it: after an HGMMA and before the next ``WARPGROUP.DEPBAR.LE gsb0, 0x0``, in
+    program order. ptxas (CUDA 13.0) hoists epilogue arithmetic on the accumulators above the
+    final wait when the K loop leaves a group in flight (session 8: wrong post-norm results on
+    the H200); the wgmma mainloop ends with a step of its own to prevent that, and this is the check."""
+    found, live = [], set()
+    for line in code.splitlines():
+        ins = re.sub(r"/\*[0-9a-f]+\*/", "", line.split(";")[0]).strip()
+        hgmma = _HGMMA.search(ins)
+        if hgmma:
+            base = int(hgmma.group(2))
+            live = set(range(base, base + int(hgmma.group(1)) // 2))
+        elif "DEPBAR.LE gsb0, 0x0" in ins:
+            live = set()
+        elif live and {int(r) for r in re.findall(r"\bR(\d+)\b", ins)} & live:
+            found.append(ins)
+    return found

@@ -1,29 +1,33 @@
-"""The Hopper mainloop (issue 8), first step: GEMM tiles on ``wgmma.mma_async``, in TVM's tirx.
+"""The Hopper mainloop (issue 8): GEMM tiles on ``wgmma.mma_async`` fed by TMA, in TVM's tirx.
 
 Why a second mainloop: the mma.sync one (:mod:`.mma_mainloop`) tops out near 0.55x of cuBLAS on
 the H200 (428 TFLOP/s as a plain 4096^3 GEMM), and the fused kernels inherit that ceiling.
 sm_90a's warpgroup MMA reads both operands straight from shared memory through 64-bit matrix
-descriptors, so no ldmatrix and no register staging of A and B, and one instruction covers a
-``64 x n x 16`` step for a whole warpgroup (128 threads).
+descriptors (no ldmatrix, no register staging), one instruction per ``64 x n x 16`` step of a
+whole warpgroup (128 threads).
 
-s_tir has no wgmma intrinsic, so this is written in TVM 0.27's tirx dialect (``T.ptx[...]``,
-``T.cuda.wgmma``: TVM's own certified PTX table), compiled with ``tir_pipeline="tirx"``:
+Why warp-specialised: the first version (session 7) had every thread issue cp.async and then
+compute, each K step waiting for its own wgmma group (``wait_group 0``) behind a CTA barrier;
+on the H200 it reached 0.59-0.65x of cuBLAS (``notebooks/results/session8-h200-2026-12-03/``),
+no better than mma.sync. Here the CTA is split by role, as CUTLASS's sm90 kernels are:
 
-    global --cp.async 16 B--> shared.dyn, ``stages``-deep ring, ``2 * bk``-byte swizzle
-        (row ``r``'s 16-byte chunk ``j`` at ``j ^ ((r * row_bytes >> 7) % chunks)``: the layout
-        TMA's SWIZZLE_64B/128B writes, so a TMA producer can replace cp.async unchanged)
-    shared --wgmma.mma_async m64n{bn / wg_n}k16 (descriptors, SBO = 8 rows)--> fp32 registers
+    warpgroup 0, the producer (40 registers): one thread issues TMA loads
+        (``cp.async.bulk.tensor.2d``, completing on the slot's "full" mbarrier with the byte
+        count) into a ``stages``-deep ring, after waiting for the slot's "empty" mbarrier;
+    warpgroups 1..C, the consumers (the freed registers): wait for "full", issue the
+        ``bk / 16`` wgmmas of the K step, and keep that group in flight while waiting for the
+        previous one (``wait_group 1``), whose slot they then release on "empty".
 
-A CTA's ``bm x bn`` tile is a grid of ``bm / 64 x wg_n`` warpgroups: the plain GEMM splits rows
-(``wg_n = 1``), a whole-row epilogue splits the row's columns (:mod:`.wgmma_postnorm`). The
-ring keeps ``stages - 1`` tile loads in flight: iteration ``k`` refills the slot iteration
-``k - 1`` read, released by ``wgmma.wait_group 0`` at the end of ``k - 1`` and the barrier at
-the top of ``k``. (Keeping one wgmma group in flight across iterations, ``wait_group 1``, makes
-ptxas serialize the wgmmas anyway: its C7514 warning, "non wgmma instructions reading
-accumulator registers", even with the accumulators pinned by empty asm; a warp-specialised TMA
-producer is the way to overlap more.) :mod:`.wgmma_postnorm` builds the fused kernel on it.
-Not yet run on a GPU: its speed against cuBLAS is to be measured
-(``notebooks/results/experiments/wgmma_gemm.py``).
+So loads run ``stages`` K steps ahead without any CTA barrier, and the tensor cores always have
+the next group queued. TMA writes the ``2 * bk``-byte swizzle (row ``r``'s 16-byte chunk ``j``
+at ``j ^ ((r * row_bytes >> 7) % chunks)``) that the descriptors read. The tensor maps are
+encoded by the host code of the kernel on every call (``T.tensormap_encode_tiled``: TVM's CUDA
+runtime, ``cuTensorMapEncodeTiled``), passed as ``__grid_constant__`` parameters.
+
+A CTA's ``bm x bn`` tile is a grid of ``bm / 64 x wg_n`` consumer warpgroups: the plain GEMM
+splits rows (``wg_n = 1``), a row epilogue splits the row's columns (:mod:`.wgmma_postnorm`).
+The ring's steps are a sequence the producer and the consumers walk in the same order, so a
+kernel may stream more than one GEMM's operands through it (:mod:`.wgmma_b2b`).
 """
 
 from __future__ import annotations
@@ -38,23 +42,53 @@ from ..errors import ComFuseError
 #: Shared memory one thread block may use on sm_90 (227 KiB), less 8 KiB for static buffers.
 SMEM_LIMIT = 219 * 1024
 _PTX_TYPE = {"float16": "f16", "bfloat16": "bf16"}
-_SWIZZLE = {32: 2, 64: 3}  # bk -> the descriptor's swizzle code: 64-byte rows, 128-byte rows
+#: bk -> the swizzle code of 64- and 128-byte rows: the same number in a wgmma descriptor and
+#: in a CUtensorMap (CU_TENSOR_MAP_SWIZZLE_64B = 2, _128B = 3).
+_SWIZZLE = {32: 2, 64: 3}
+TMA_LOAD = "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+#: Registers the producer warpgroup keeps (setmaxnreg.dec): it only computes addresses.
+PRODUCER_REGS = 40
+#: Named barrier of the consumer warpgroups (0 is the CTA's ``__syncthreads``).
+CONSUMER_BARRIER = 1
 
 
 @dataclass(frozen=True)
 class WgmmaConfig:
     """A CTA computes a ``bm x bn`` tile, K in ``bk`` steps through a ``stages``-deep ring, with
-    ``bm / 64 x wg_n`` warpgroups (each a ``64 x bn / wg_n`` wgmma tile)."""
+    ``bm / 64 x wg_n`` consumer warpgroups (each a ``64 x bn / wg_n`` wgmma tile) and one
+    producer warpgroup."""
 
     bm: int = 128
     bn: int = 256
     stages: int = 4
     bk: int = 64
     wg_n: int = 1
+    #: wgmma groups a consumer keeps in flight while it waits for the next slot (0 or 1).
+    inflight: int = 1
+
+    @property
+    def consumers(self) -> int:
+        return self.bm // 64 * self.wg_n
 
     @property
     def threads(self) -> int:
-        return 128 * self.bm // 64 * self.wg_n
+        return 128 * (self.consumers + 1)
+
+    @property
+    def reallocates(self) -> bool:
+        """Whether the producer gives registers to the consumers (``setmaxnreg``): only when
+        ``__launch_bounds__`` caps a thread below the 255 it may have anyway (ptxas ignores
+        setmaxnreg where the entry count is not fixed, its C7508)."""
+        return 65536 // self.threads < 256
+
+    @property
+    def consumer_regs(self) -> int:
+        """Registers per consumer thread: after the producer gives its share back, the
+        ``65536 / threads`` the kernel starts with (in steps of 8, at most 240)."""
+        if not self.reallocates:
+            return 255
+        start = 65536 // self.threads // 8 * 8
+        return min(240, (start * self.threads - PRODUCER_REGS * 128) // (128 * self.consumers) // 8 * 8)
 
     @property
     def wg_cols(self) -> int:
@@ -69,16 +103,21 @@ class WgmmaConfig:
         found = []
         if dtype not in _PTX_TYPE:
             found.append(f"dtype {dtype} (wgmma here takes {sorted(_PTX_TYPE)})")
-        if self.bm % 64 or not 64 <= self.bm <= 192:
-            found.append(f"bm = {self.bm} (64, 128 or 192: 64 rows per warpgroup)")
+        if self.bm % 64 or not 64 <= self.bm <= 256:
+            found.append(f"bm = {self.bm} (64 to 256 in steps of 64: 64 rows per warpgroup)")
         if self.bn % self.wg_n or self.wg_cols % 16 or not 16 <= self.wg_cols <= 256:
             found.append(f"bn / wg_n = {self.bn} / {self.wg_n} (a multiple of 16 up to 256, wgmma's N)")
+        if self.bn % 8:
+            found.append(f"bn = {self.bn} (a multiple of 8: TMA boxes of whole swizzle atoms)")
         if self.bk not in _SWIZZLE:
             found.append(f"bk = {self.bk} (32 or 64: one 64- or 128-byte swizzled row)")
         if self.stages < 2:
             found.append(f"stages = {self.stages} (at least 2: a load in flight while the tensor cores work)")
         if self.threads > 1024:
             found.append(f"{self.threads} threads (at most 1024)")
+        if self.consumer_regs < self.wg_cols // 2 + 32:  # ptxas: m64n256 (128 accumulators) needs 154
+            found.append(f"{self.consumers} consumer warpgroups of {self.wg_cols // 2} accumulators each "
+                         f"({self.consumer_regs} registers per thread: fewer warpgroups)")
         if self.smem_bytes > SMEM_LIMIT:
             found.append(f"{self.smem_bytes // 1024} KiB of shared memory (at most {SMEM_LIMIT // 1024}: fewer stages or a smaller bk)")
         if m % self.bm or n % self.bn or k % self.bk:
@@ -92,74 +131,173 @@ class WgmmaConfig:
             raise ComFuseError("wgmma GEMM cannot use " + "; ".join(found))
 
 
-def swizzled_copy(bk: int, nt: int):
-    """The tirx macro ``copy_rows(S, tx, slot, base, src, rows, row0, kk)``: ``nt`` threads copy
-    rows ``[row0, row0 + rows)`` of ``src``'s K step ``kk`` (``bk`` columns) by cp.async into
-    rows ``[base, base + rows)`` of ``S[slot]``, in the ``2 * bk``-byte swizzle the descriptors
-    of :func:`mainloop` read (``base`` a multiple of 8)."""
-    chunks = bk // 8
-    phase = 128 // (bk * 2)  # rows per 128 bytes: the swizzle's XOR term is (row // phase) % chunks
+def box_rows(rows: int) -> int:
+    """Rows per TMA box for a ``rows``-row tile: the largest divisor up to 256 (a box's limit)
+    that is a multiple of 8 (a swizzle atom)."""
+    return next(b for b in range(min(rows, 256), 0, -8) if rows % b == 0)
+
+
+def tensor_map(rows: int, cols: int, box: int, bk: int, dtype: str):
+    """The tirx macro ``encode(tmap, data)``: host code that fills ``tmap`` with the CUtensorMap
+    of the row-major ``[rows, cols]`` matrix at ``data``, boxes of ``box`` rows x ``bk`` columns,
+    in the ring's swizzle."""
 
     # pylint: disable=invalid-name
     @T.macro
-    def copy_rows(S, tx, slot, base, src, rows, row0, kk):
-        for i in T.unroll((rows * chunks + nt - 1) // nt):
-            if rows * chunks % nt == 0 or i * nt + tx < rows * chunks:
-                r = T.meta_var((i * nt + tx) // chunks)
-                j = T.meta_var((i * nt + tx) % chunks)
-                T.ptx["cp.async.cg.shared.global"](
-                    S.ptr_to([slot, base + r, (j ^ ((r // phase) % chunks)) * 8]), src.ptr_to([row0 + r, kk * bk + j * 8]), 16
-                )
+    def encode(tmap, data):
+        T.tensormap_encode_tiled(tmap, data, cols, rows, cols * 2, bk, box, 1, 1, descriptor_dtype=dtype, rank=2,
+                                 interleave=0, swizzle=_SWIZZLE[bk], l2_promotion=2, oob_fill=0)
 
-    return copy_rows
+    return encode
+
+
+class Ring:
+    """The mbarrier protocol of a ``stages``-deep ring shared by one producer thread and
+    ``consumers`` warpgroups; step ``s`` uses slot ``s % stages`` in phase ``s // stages``.
+    Each method returns a tirx macro; ``full`` and ``empty`` are ``[stages]`` uint64 buffers."""
+
+    def __init__(self, stages: int, consumers: int):
+        self.stages, self.consumers = stages, consumers
+
+    def init(self):
+        """``init(full, empty, tx)``: thread ``tx == 0`` initialises the barriers, then the CTA syncs."""
+        st, consumers = self.stages, self.consumers
+
+        # pylint: disable=invalid-name
+        @T.macro
+        def init(full, empty, tx):
+            if tx == 0:
+                for s in T.unroll(st):
+                    T.ptx.mbarrier.init.shared.b64(full.ptr_to([s]), T.uint32(1))  # the producer's arrive + bytes
+                    T.ptx.mbarrier.init.shared.b64(empty.ptr_to([s]), T.uint32(consumers))  # one per consumer warpgroup
+                T.ptx.fence.mbarrier_init.release.cluster()
+            T.cuda.cta_sync()
+
+        return init
+
+    def acquire(self):
+        """``acquire(full, empty, step, nbytes)`` (producer): wait until the consumers released
+        the slot's previous use (a fresh barrier has completed the phase before phase 0), then
+        announce ``nbytes`` of TMA on its "full" barrier."""
+        st = self.stages
+
+        @T.macro
+        def acquire(full, empty, step, nbytes):
+            T.cuda.mbarrier_wait(empty.ptr_to([step % st]), (step // st) % 2 ^ 1)
+            T.ptx.mbarrier.arrive.expect_tx.shared.b64(full.ptr_to([step % st]), T.uint32(nbytes))
+
+        return acquire
+
+    def wait(self):
+        """``wait(full, step)`` (consumers): until the slot's loads have landed."""
+        st = self.stages
+
+        @T.macro
+        def wait(full, step):
+            T.cuda.mbarrier_wait(full.ptr_to([step % st]), (step // st) % 2)
+
+        return wait
+
+    def release(self):
+        """``release(empty, step, tw)`` (consumers, after their reads of the slot completed):
+        one arrive per consumer warpgroup."""
+        st = self.stages
+
+        @T.macro
+        def release(empty, step, tw):
+            if tw == 0:
+                T.ptx.mbarrier.arrive.shared.b64(empty.ptr_to([step % st]), T.uint32(1))
+
+        return release
+
+
+def roles(cfg: WgmmaConfig):
+    """``(producer_entry, consumer_entry)`` macros, each ``f()``: the register reallocation that
+    opens the producer's and the consumers' branch of a warp-specialised kernel (nothing where
+    ``cfg`` does not reallocate)."""
+
+    @T.macro
+    def producer():
+        T.ptx["setmaxnreg.dec.sync.aligned.u32"](PRODUCER_REGS)
+
+    @T.macro
+    def consumer():
+        T.ptx["setmaxnreg.inc.sync.aligned.u32"](cfg.consumer_regs)
+
+    @T.macro
+    def keep():
+        T.evaluate(0)
+
+    return (producer, consumer) if cfg.reallocates else (keep, keep)
+
+
+def consumer_sync(cfg: WgmmaConfig):
+    """``sync()``: a barrier of the consumer warpgroups only (the producer does not take part)."""
+
+    @T.macro
+    def sync():
+        T.ptx["bar.sync"](CONSUMER_BARRIER, 128 * cfg.consumers)
+
+    return sync
 
 
 def mainloop(cfg: WgmmaConfig, k: int, dtype: str):
-    """The K loop as a tirx macro ``run(A, B, S, acc, da, db, tx, bx, by)``: ``acc`` (``wg_cols /
-    2`` fp32 per thread) ends holding thread ``tx``'s share of its warpgroup's ``64 x wg_cols``
-    tile of ``A @ B.T`` for the CTA at row tile ``bx``, column tile ``by``. ``S`` is the
-    ``[stages, bm + bn, bk]`` ring, ``da``, ``db`` one uint64 each for the descriptors."""
-    bm, bn, bk, st, nt = cfg.bm, cfg.bn, cfg.bk, cfg.stages, cfg.threads
-    kt, lead = k // bk, cfg.stages - 1
-    acc_n, wg_cols = cfg.wg_cols // 2, cfg.wg_cols
+    """The K loop as two tirx macros, ``(produce, consume)``, over ring steps ``0 .. k / bk - 1``:
+
+    - ``produce(A_map, B_map, S, full, empty, a_row, b_row)``, by the producer's one thread:
+      step ``kk`` loads rows ``[a_row, + bm)`` of A and ``[b_row, + bn)`` of B, columns
+      ``[kk * bk, + bk)``, into slot ``kk % stages`` of ``S`` (``[stages, bm + bn, bk]``);
+    - ``consume(S, full, empty, acc, da, db, cw, tw)``, by consumer warpgroup ``cw`` (thread
+      ``tw`` of it): ``acc`` (``wg_cols / 2`` fp32 per thread) ends holding the thread's share of
+      the warpgroup's ``64 x wg_cols`` tile of ``A @ B.T``; ``da``, ``db`` one uint64 each for
+      the descriptors. Every slot is released when it returns."""
+    bm, bn, bk, st = cfg.bm, cfg.bn, cfg.bk, cfg.stages
+    kt, acc_n, wg_cols = k // bk, cfg.wg_cols // 2, cfg.wg_cols
     mma = f"wgmma.mma_async.sync.aligned.m64n{wg_cols}k16.f32.{_PTX_TYPE[dtype]}.{_PTX_TYPE[dtype]}"
     sbo = 8 * bk * 2 >> 4  # 8 swizzled rows between core-matrix groups, in 16-byte units
-
-    copy_rows = swizzled_copy(bk, nt)
+    a_box, b_box = box_rows(bm), box_rows(bn)
+    ring = Ring(st, cfg.consumers)
+    acquire, wait, release = ring.acquire(), ring.wait(), ring.release()
+    tail = min(kt, cfg.inflight + 1)  # steps whose slots are released after the loop
 
     # pylint: disable=invalid-name
     @T.macro
-    def load(A, B, S, tx, bx, by, slot, kk):
-        copy_rows(S, tx, slot, 0, A, bm, bx * bm, kk)
-        copy_rows(S, tx, slot, bm, B, bn, by * bn, kk)
+    def produce(A_map, B_map, S, full, empty, a_row, b_row):
+        for kk in T.serial(kt):
+            acquire(full, empty, kk, (bm + bn) * bk * 2)
+            for j in T.unroll(bm // a_box):
+                T.ptx[TMA_LOAD](S.ptr_to([kk % st, j * a_box, 0]), T.address_of(A_map), kk * bk, a_row + j * a_box, full.ptr_to([kk % st]))
+            for j in T.unroll(bn // b_box):
+                T.ptx[TMA_LOAD](S.ptr_to([kk % st, bm + j * b_box, 0]), T.address_of(B_map), kk * bk, b_row + j * b_box,
+                                full.ptr_to([kk % st]))
 
     @T.macro
-    def run(A, B, S, acc, da, db, tx, bx, by):
-        wg = T.meta_var(tx // 128)
-        for s in T.unroll(lead):
-            if s < kt:
-                load(A, B, S, tx, bx, by, s, s)
-            T.ptx["cp.async.commit_group"]()
-        for kk in T.serial(kt):
-            T.ptx["cp.async.wait_group"](lead - 1)
-            T.ptx["fence.proxy.async.shared::cta"]()  # cp.async wrote through the generic proxy
-            T.cuda.cta_sync()
-            if kk + lead < kt:
-                load(A, B, S, tx, bx, by, (kk + lead) % st, kk + lead)
-            T.ptx["cp.async.commit_group"]()
-            T.ptx["wgmma.fence.sync.aligned"]()
-            for ks in T.unroll(bk // 16):
-                T.cuda.wgmma.encode_matrix_descriptor(
-                    T.address_of(da[0]), S.ptr_to([kk % st, wg // cfg.wg_n * 64, ks * 16]), 1, sbo, _SWIZZLE[bk]
-                )
-                T.cuda.wgmma.encode_matrix_descriptor(
-                    T.address_of(db[0]), S.ptr_to([kk % st, bm + wg % cfg.wg_n * wg_cols, ks * 16]), 1, sbo, _SWIZZLE[bk]
-                )
-                T.ptx[mma](*[acc[i] for i in range(acc_n)], da[0], db[0], T.ptx.pred(kk > 0 or ks > 0), 1, 1, 0, 0)
-            T.ptx["wgmma.commit_group.sync.aligned"]()
-            T.ptx["wgmma.wait_group.sync.aligned"](0)
+    def step(S, full, acc, da, db, cw, kk):  # wait for step kk's slot, issue its wgmmas as one group
+        wait(full, kk)
+        T.ptx["wgmma.fence.sync.aligned"]()
+        for ks in T.unroll(bk // 16):
+            T.cuda.wgmma.encode_matrix_descriptor(
+                T.address_of(da[0]), S.ptr_to([kk % st, cw // cfg.wg_n * 64, ks * 16]), 1, sbo, _SWIZZLE[bk]
+            )
+            T.cuda.wgmma.encode_matrix_descriptor(
+                T.address_of(db[0]), S.ptr_to([kk % st, bm + cw % cfg.wg_n * wg_cols, ks * 16]), 1, sbo, _SWIZZLE[bk]
+            )
+            T.ptx[mma](*[acc[i] for i in range(acc_n)], da[0], db[0], T.ptx.pred(kk > 0 or ks > 0), 1, 1, 0, 0)
+        T.ptx["wgmma.commit_group.sync.aligned"]()
 
-    return run
+    @T.macro
+    def consume(S, full, empty, acc, da, db, cw, tw):
+        for kk in T.serial(kt - 1):
+            step(S, full, acc, da, db, cw, kk)
+            T.ptx["wgmma.wait_group.sync.aligned"](cfg.inflight)  # step kk - inflight's group is done: its slot is free
+            if kk >= cfg.inflight:
+                release(empty, kk - cfg.inflight, tw)
+        step(S, full, acc, da, db, cw, kt - 1)
+        T.ptx["wgmma.wait_group.sync.aligned"](0)
+        for j in T.unroll(tail):
+            release(empty, kt - tail + j, tw)
+
+    return produce, consume
 
 
 def fragment(tx, i):
@@ -175,7 +313,10 @@ def wgmma_gemm(m: int, n: int, k: int, dtype: str = "float16", cfg: WgmmaConfig 
     ``dtype``; a tirx PrimFunc for sm_90a. Static shapes, multiples of the tile."""
     cfg.check(m, n, k, dtype)
     bm, bn, acc_n = cfg.bm, cfg.bn, cfg.wg_cols // 2
-    run = mainloop(cfg, k, dtype)
+    produce, consume = mainloop(cfg, k, dtype)
+    init = Ring(cfg.stages, cfg.consumers).init()
+    producer, consumer = roles(cfg)
+    encode_a, encode_b = tensor_map(m, k, box_rows(bm), cfg.bk, dtype), tensor_map(n, k, box_rows(bn), cfg.bk, dtype)
 
     # pylint: disable=invalid-name,unused-variable
     @T.prim_func
@@ -183,24 +324,41 @@ def wgmma_gemm(m: int, n: int, k: int, dtype: str = "float16", cfg: WgmmaConfig 
         A = T.match_buffer(a, (m, k), dtype, align=16)
         B = T.match_buffer(b, (n, k), dtype, align=16)
         C = T.match_buffer(c, (m, n), dtype, align=16)
+        A_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+        B_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+        encode_a(A_map, A.data)
+        encode_b(B_map, B.data)
         T.device_entry()
         bx, by = T.cta_id([m // bm, n // bn])
-        tx = T.thread_id([cfg.threads])
+        wg = T.warpgroup_id([cfg.consumers + 1])
+        tw = T.thread_id_in_wg([128])
         # one dynamic buffer (tirx allows one): per slot, the A tile's bm rows, then B's bn
         S = T.alloc_shared([cfg.stages, bm + bn, cfg.bk], dtype, scope="shared.dyn", align=1024)
+        full = T.alloc_shared([cfg.stages], "uint64", scope="shared", align=8)
+        empty = T.alloc_shared([cfg.stages], "uint64", scope="shared", align=8)
         acc = T.alloc_local([acc_n], "float32")
         da = T.alloc_local([1], "uint64")
         db = T.alloc_local([1], "uint64")
-        wg = T.meta_var(tx // 128)
-        run(A, B, S, acc, da, db, tx, bx, by)
-        for i in T.unroll(acc_n):
-            row, col = T.meta_var(fragment(tx, i))
-            C[bx * bm + wg // cfg.wg_n * 64 + row, by * bn + wg % cfg.wg_n * cfg.wg_cols + col] = T.cast(acc[i], dtype)
+        init(full, empty, wg * 128 + tw)
+        if wg == 0:
+            producer()
+            if tw == 0:
+                produce(A_map, B_map, S, full, empty, bx * bm, by * bn)
+        else:
+            consumer()
+            consume(S, full, empty, acc, da, db, wg - 1, tw)
+            for q in T.unroll(acc_n // 2):  # accumulators 2q, 2q + 1: one row's adjacent columns
+                for j in T.vectorized(2):
+                    row, col = T.meta_var(fragment(tw, 2 * q + j))
+                    C[bx * bm + (wg - 1) // cfg.wg_n * 64 + row, by * bn + (wg - 1) % cfg.wg_n * cfg.wg_cols + col] = T.cast(
+                        acc[2 * q + j], dtype)
 
     return gemm
 
 
 def build(func, arch: str = "sm_90a"):
-    """Compile a tirx PrimFunc from this module (wgmma needs the ``a`` of sm_90a)."""
+    """Compile a tirx PrimFunc from this module (wgmma needs the ``a`` of sm_90a; the target is
+    also the current one, which TVM's NVRTC callback reads the architecture from)."""
     target = tvm.target.Target({"kind": "cuda", "arch": arch})
-    return tvm.compile(tvm.IRModule({"main": func}), target=target, tir_pipeline="tirx")
+    with target:
+        return tvm.compile(tvm.IRModule({"main": func}), target=target, tir_pipeline="tirx")

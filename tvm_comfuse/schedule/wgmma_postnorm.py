@@ -11,12 +11,15 @@ row) and then across the cluster through distributed shared memory (``mapa`` +
 LayerNorm takes two passes over the registers (mean, then the centred variance: no
 cancellation), RMSNorm one.
 
-Why slices: 64 rows x 768 fp32 accumulators are 192 of an SM's 256 KiB of registers, so one
-CTA holds at most :data:`MAX_ROW` columns; and whole-row CTAs at M = 4096 are only 64 for 132
-SMs. :func:`default_config` slices rows over the fewest CTAs that fill the SMs (2 x 384
-columns for BERT-base). :class:`~tvm_comfuse.transform.OffloadHopperPostNorm` puts the kernel
-in the Relax pipeline (opt-in); it has not run on a GPU yet: timed against cuBLAS in
-``notebooks/results/experiments/wgmma_gemm.py``.
+Why slices: a CTA holds at most :data:`MAX_ROW` columns of its 64 rows in registers, and
+whole-row CTAs at M = 4096 would be only 64 for 132 SMs. :func:`default_config` slices rows
+over the fewest CTAs that fill the SMs (2 x 384 columns for BERT-base).
+:class:`~tvm_comfuse.transform.OffloadHopperPostNorm` puts the kernel in the Relax pipeline
+(opt-in). On the H200 the first version (cp.async mainloop, session 8) was correct and beat
+the mma.sync rule on every suite shape (22.1 against 26.3 us at 4096x768x768, 82 against
+163 at 4096x4096x1024; ``notebooks/results/session8-h200-2026-12-03/``); this one runs the
+epilogue in the consumer warpgroups of the warp-specialised TMA mainloop, their barriers
+named (the producer warpgroup leaves once its loads are issued).
 """
 
 from __future__ import annotations
@@ -28,11 +31,13 @@ import tvm.script
 from tvm.script import tirx as T
 
 from ..errors import ComFuseError
-from .wgmma_mainloop import SMEM_LIMIT, WgmmaConfig, fragment, mainloop
+from .wgmma_mainloop import SMEM_LIMIT, Ring, WgmmaConfig, box_rows, consumer_sync, fragment, mainloop, roles, tensor_map
 
 NORMS = ("layer_norm", "rms_norm")
-#: Widest row slice a 64-row CTA holds in registers (64 x 768 fp32 = 192 of the SM's 256 KiB).
-MAX_ROW = 768
+#: Widest row slice a 64-row CTA holds in registers: two consumer warpgroups of 256 columns
+#: (a third would leave each of the three under the 154 registers ptxas needs for a 256-wide
+#: wgmma, once the producer warpgroup has its 40).
+MAX_ROW = 512
 #: CTAs a row may be sliced over (a thread-block cluster; 8 is the portable maximum).
 CLUSTER_SIZES = (1, 2, 4, 8)
 #: SMs of the sm_90 parts ComFuse targets (H100 SXM, H200): what ``default_config`` fills.
@@ -164,7 +169,11 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
     cfg = cfg or default_config(n, m)
     acc_n, wg_cols, parts, rms = cfg.wg_cols // 2, cfg.wg_cols, 4 * cfg.wg_n, spec.norm == "rms_norm"
     slice_n, ranks = cfg.bn, n // cfg.bn
-    run = mainloop(cfg, k, spec.dtype)
+    produce, consume = mainloop(cfg, k, spec.dtype)
+    init = Ring(cfg.stages, cfg.consumers).init()
+    producer, consumer = roles(cfg)
+    sync = consumer_sync(cfg)
+    encode_x, encode_w = tensor_map(m, k, 64, cfg.bk, spec.dtype), tensor_map(n, k, box_rows(slice_n), cfg.bk, spec.dtype)
     lead = tuple(lead or (m,))
     if math.prod(lead) != m:
         raise ComFuseError(f"wgmma post-norm: row dimensions {lead} do not multiply to M = {m}")
@@ -203,7 +212,7 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
         r0 = T.meta_var(fragment(tx, 0)[0])
         for h in T.unroll(2):
             part[p, r0 + 8 * h, tx // 128 * 4 + tx % 4] = s[h]
-        T.cuda.cta_sync()
+        sync()
         for h in T.unroll(2):
             stat[h, col] = T.float32(0)
             for j in T.unroll(parts):
@@ -221,25 +230,15 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
                     stat[h, col] = stat[h, col] + got[0]
 
     @T.macro
-    def body(A, B, P0, P1, gamma, beta, out, out2):
-        if ranks > 1:
-            bx = T.cluster_id([m // 64])
-            rk = T.cta_id_in_cluster([ranks])
-        else:
-            bx = T.cta_id([m // 64])
-            rk = 0
-        tx = T.thread_id([cfg.threads])
-        S = T.alloc_shared([cfg.stages, 64 + slice_n, cfg.bk], spec.dtype, scope="shared.dyn", align=1024)
+    def epilogue(P0, P1, gamma, beta, out, out2, acc, tx, bx, rk):
+        """The chain and the norm on the accumulators of consumer thread ``tx``, rows of CTA
+        ``bx``, columns of its slice ``rk``."""
         part = T.alloc_shared([2, 64, parts], "float32")  # per row: 4 quad lanes x wg_n warpgroups
         rowpart = T.alloc_shared([2, 64], "float32")  # per row: this CTA's slice, read by the cluster
-        acc = T.alloc_local([acc_n], "float32")
-        da = T.alloc_local([1], "uint64")
-        db = T.alloc_local([1], "uint64")
         s = T.alloc_local([2], "float32")  # this thread's partial sums of its rows r0 and r0 + 8
         stat = T.alloc_local([2, 2], "float32")  # [row half, mean / rstd]
         peer = T.alloc_local([1], "uint32")
         got = T.alloc_local([1], "float32")
-        run(A, B, S, acc, da, db, tx, bx, rk)
         c0 = T.meta_var(rk * slice_n + tx // 128 * wg_cols)
         for h in T.unroll(2):
             s[h] = T.float32(0)
@@ -273,6 +272,32 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
         if ranks > 1:
             T.cuda.cluster_sync()  # no CTA leaves while the cluster may still read its rowpart
 
+    @T.macro
+    def body(x_map, w_map, P0, P1, gamma, beta, out, out2):
+        if ranks > 1:
+            bx = T.cluster_id([m // 64])
+            rk = T.cta_id_in_cluster([ranks])
+        else:
+            bx = T.cta_id([m // 64])
+            rk = 0
+        wg = T.warpgroup_id([cfg.consumers + 1])
+        tw = T.thread_id_in_wg([128])
+        S = T.alloc_shared([cfg.stages, 64 + slice_n, cfg.bk], spec.dtype, scope="shared.dyn", align=1024)
+        full = T.alloc_shared([cfg.stages], "uint64", scope="shared", align=8)
+        empty = T.alloc_shared([cfg.stages], "uint64", scope="shared", align=8)
+        acc = T.alloc_local([acc_n], "float32")
+        da = T.alloc_local([1], "uint64")
+        db = T.alloc_local([1], "uint64")
+        init(full, empty, wg * 128 + tw)
+        if wg == 0:
+            producer()
+            if tw == 0:
+                produce(x_map, w_map, S, full, empty, bx * 64, rk * slice_n)
+        else:
+            consumer()
+            consume(S, full, empty, acc, da, db, wg - 1, tw)
+            epilogue(P0, P1, gamma, beta, out, out2, acc, (wg - 1) * 128 + tw, bx, rk)
+
     # the parameter list depends on the spec (beta, a second output): the signature is
     # generated, the body is the macro above
     params = [("x", (*lead, k), spec.dtype, (m, k)), ("w", (n, k), spec.dtype, None)]
@@ -281,8 +306,10 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
     params += [("out", (*lead, n), spec.out_dtype, (m, n))] + ([("norm", (*lead, n), "float32", (m, n))] if spec.norm_out else [])
     lines = [f"def {spec.norm}_postnorm({', '.join(f'{p}_h: T.handle' for p, *_ in params)}):"]
     lines += [f"    {p}_p = T.match_buffer({p}_h, {shp}, {dt!r}, align=16)" for p, shp, dt, _ in params]
-    lines += ["    T.device_entry()"]
-    lines += [f"    {p} = T.decl_buffer({view}, {dt!r}, data={p}_p.data)" if view else f"    {p} = {p}_p" for p, _, dt, view in params]
+    lines += [f"    {p}_map: T.let[T.handle('tensormap')] = T.tvm_stack_alloca('tensormap', 1)" for p in ("x", "w")]
+    lines += ["    encode_x(x_map, x_p.data)", "    encode_w(w_map, w_p.data)", "    T.device_entry()"]
+    lines += [f"    {p} = T.decl_buffer({view}, {dt!r}, data={p}_p.data)" if view else f"    {p} = {p}_p" for p, _, dt, view in params[2:]]
     names = [p for p, *_ in params]
-    lines += [f"    body(x, w, p0, p1, gamma, {'beta' if 'beta' in names else 'None'}, out, {'norm' if 'norm' in names else 'None'})"]
-    return tvm.script.from_source("@T.prim_func\n" + "\n".join(lines), extra_vars={"T": T, "body": body})
+    lines += [f"    body(x_map, w_map, p0, p1, gamma, {'beta' if 'beta' in names else 'None'}, out, {'norm' if 'norm' in names else 'None'})"]
+    return tvm.script.from_source("@T.prim_func\n" + "\n".join(lines),
+                                  extra_vars={"T": T, "body": body, "encode_x": encode_x, "encode_w": encode_w})
