@@ -12,7 +12,8 @@ kernel takes its shape, the kernel is built for it (tirx, sm_90a), linked into t
 through the module's ``external_mods`` (TVM's BYOC path), and the call becomes
 ``R.call_dps_packed`` of it (3-D activations are read as rows in place: no reshape). A function the
 description cannot express exactly (another op, another output, an unused binding) or the
-kernel cannot take (N > 768, M not a multiple of 64, symbolic shapes) is left alone: the
+kernel cannot take (rows wider than a cluster's slices hold, M not a multiple of 64, symbolic
+shapes) is left alone: the
 ``gemm_reduce`` rule schedules it as before. Off by default (``get_pipeline(..., hopper=True)``)
 until the kernel has been measured on a GPU.
 """
@@ -171,7 +172,8 @@ def _build(prim_func, symbol: str, target: tvm.target.Target):
     host = target.host or tvm.target.Target("llvm")
     device = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}, host=host)
     mod = tvm.IRModule({symbol: prim_func.with_attr("global_symbol", symbol)})
-    return tvm.compile(mod, target=device, tir_pipeline="tirx").mod
+    with device:  # TVM's NVRTC callback takes the architecture from the current target, not the pipeline's
+        return tvm.compile(mod, target=device, tir_pipeline="tirx").mod
 
 
 @mutator
