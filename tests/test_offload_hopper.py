@@ -160,12 +160,19 @@ def test_sm90a_compile_runs_the_group_as_the_wgmma_kernel(caplog):
     assert "multiples of bm = 64" in caplog.text
 
 
-def test_hopper_is_opt_in():
-    """Without ``hopper=True`` the pipeline has no offload pass; on non-sm_90 targets the pass is a no-op."""
+def test_hopper_is_the_default_on_sm90_only():
+    """The pipeline offloads on sm_90 targets unless ``hopper=False``, and never elsewhere (on
+    other targets the pass is a no-op and the pipeline does not include it)."""
     mod = wl.post_norm(256, 256, 768, "float16", "layer_norm", linear=True)
     grouped, _ = _groups(mod, {"kind": "cuda", "arch": "sm_80"})
     assert OffloadHopperPostNorm({"kind": "cuda", "arch": "sm_80"})(grouped).same_as(grouped)
-    assert not any(isinstance(p, OffloadHopperPostNorm) for p in cf.pipeline.fusion_passes(tvm.target.Target(SM90A)))
+
+    def offloads(target, **kw):
+        return any(isinstance(p, OffloadHopperPostNorm) for p in cf.pipeline.fusion_passes(tvm.target.Target(target), **kw))
+
+    assert offloads(SM90A) and offloads("nvidia/nvidia-h100") and offloads({"kind": "cuda", "arch": "sm_90"})
+    assert not offloads(SM90A, hopper=False)
+    assert not offloads({"kind": "cuda", "arch": "sm_80"}) and not offloads("llvm")
 
 
 def test_rows_too_wide_for_the_rule_are_fused_only_when_the_hopper_kernel_takes_them():
@@ -173,10 +180,10 @@ def test_rows_too_wide_for_the_rule_are_fused_only_when_the_hopper_kernel_takes_
     ``hopper`` is on, where the wgmma kernel slices each row over an 8-CTA cluster; a wide chain
     the kernel cannot express (an activation before the residual) stays with vanilla fusion."""
     mod = wl.post_norm(8192, 4096, 4096, "float16", "layer_norm", linear=True)
-    assert [g.fused for g in cf.analyze(mod, SM90A)] == [False]
-    (group,) = cf.analyze(mod, SM90A, hopper=True)
+    assert [g.fused for g in cf.analyze(mod, SM90A, hopper=False)] == [False]
+    (group,) = cf.analyze(mod, SM90A)
     assert group.fused and "Hopper wgmma" in cf.format_groups([group])
     assert 4096 // wp.default_config(4096, 8192).bn == 8
     relu = wl.post_norm(8192, 4096, 4096, "float16", "layer_norm", linear=True, act="relu")
-    (group,) = cf.analyze(relu, SM90A, hopper=True)
+    (group,) = cf.analyze(relu, SM90A)
     assert not group.fused and "wider than a thread block" in group.note

@@ -4,8 +4,9 @@ The GEMM is PyTorch's ``nn.Linear`` (weight ``[N, K]``), as models import. For e
 norm and dtype, the same inputs go to: cuBLAS GEMM alone (the floor),
 PyTorch eager, torch.compile (default, and max-autotune when asked), vanilla TVM (its
 default pipeline: DLight; and, when asked, tuned by MetaSchedule's stock rules with the trial
-budget ComFuse's logs had) and ComFuse (and, when asked, ComFuse with the Hopper wgmma kernels:
-``comfuse_hopper``). Each contender's output is checked against a float32
+budget ComFuse's logs had) and ComFuse (its default pipeline: on sm_90 the Hopper wgmma
+kernels; ``comfuse_mma_sync``: the portable mma.sync rule, untuned, and ``comfuse_tuned``: that
+rule with the shipped tuning logs). Each contender's output is checked against a float32
 PyTorch reference before it is timed; a wrong result is reported and not timed. Two times
 per call: device time (sum of kernel durations from the CUDA profiler, so launch and VM
 overhead are excluded) and wall time (CUDA events around back-to-back calls, best of 3).
@@ -24,7 +25,7 @@ from . import workloads
 from .runtime import compile_module
 
 CONTENDERS = ("cublas_gemm", "eager", "inductor", "inductor_max_autotune", "tvm_dlight", "tvm_metaschedule", "comfuse",
-              "comfuse_tuned", "comfuse_hopper")
+              "comfuse_mma_sync", "comfuse_tuned")
 #: MetaSchedule trials per task for ``tvm_metaschedule``: the budget ``comfuse tune`` gave the
 #: shipped logs (64 per shape, one ComFuse task each).
 VANILLA_TRIALS = 64
@@ -96,7 +97,7 @@ def kernel_us(torch, fn, iters: int = 20) -> tuple:
     return sum(e.device_time for e in events) / iters, len(events) / iters
 
 
-def _tvm_callable(torch, mod, args, comfuse: bool, target, database=None, hopper: bool = False):
+def _tvm_callable(torch, mod, args, comfuse: bool, target, database=None, hopper: bool | None = None):
     return _vm_callable(torch, compile_module(mod, target, comfuse=comfuse, database=database, hopper=hopper), args)
 
 
@@ -136,16 +137,14 @@ def _contenders(torch, shape, norm, dtype, args, which, target):
             compiled = torch.compile(lambda *a: _torch_postnorm(torch, *a, norm), mode=mode, dynamic=False)
             out[name] = (lambda c=compiled: c(*args), lambda c=compiled: c(*args))
     mod = workloads.post_norm(shape.M, shape.K, shape.N, dtype, norm, linear=True)
-    for name, comfuse in (("tvm_dlight", False), ("comfuse", True)):
+    for name, comfuse, hopper in (("tvm_dlight", False, None), ("comfuse_mma_sync", True, False), ("comfuse", True, None)):
         if name in which:
-            out[name] = lambda m=mod, c=comfuse: _tvm_callable(torch, m, args, c, target)
+            out[name] = lambda m=mod, c=comfuse, h=hopper: _tvm_callable(torch, m, args, c, target, hopper=h)
     if "tvm_metaschedule" in which:
         out["tvm_metaschedule"] = lambda m=mod: _vanilla_tuned_callable(torch, m, args, target)
-    if "comfuse_hopper" in which:  # last: a faulting kernel would take the CUDA context with it
-        out["comfuse_hopper"] = lambda m=mod: _tvm_callable(torch, m, args, True, target, hopper=True)
     logs = tuned_logs(shape.name)
     if "comfuse_tuned" in which and logs and (norm, dtype) == ("layer_norm", "float16"):  # what the logs were tuned for
-        out["comfuse_tuned"] = lambda m=mod: _tvm_callable(torch, m, args, True, target, logs)
+        out["comfuse_tuned"] = lambda m=mod: _tvm_callable(torch, m, args, True, target, logs, hopper=False)
     return out
 
 
@@ -251,7 +250,7 @@ def run_model(name: str, batch: int, seq: int, which=CONTENDERS, log=print) -> l
             contenders["inductor"] = (lambda: compiled(xh), lambda: compiled(xh))
         rows = []
         shape = f"{name}-b{batch}-s{seq}"
-        for contender in [c for c in ("eager", "inductor", "tvm_dlight", "comfuse", "comfuse_tuned", "comfuse_hopper") if c in which]:
+        for contender in [c for c in ("eager", "inductor", "tvm_dlight", "comfuse_mma_sync", "comfuse_tuned", "comfuse") if c in which]:
             row = Row(shape, batch * seq, hidden, hidden, "encoder", "float16", contender)
             if contender in contenders:
                 rows.append(_timed(torch, row, *contenders[contender], ref, MODEL_TOLERANCE, log))
@@ -260,7 +259,8 @@ def run_model(name: str, batch: int, seq: int, which=CONTENDERS, log=print) -> l
             if contender == "comfuse_tuned" and logs is None:
                 continue
             try:
-                fn, fn_out = _tvm_callable(torch, mod, [x], contender != "tvm_dlight", target, logs, contender == "comfuse_hopper")
+                hopper = None if contender == "comfuse" else False  # the tuned logs are the mma.sync rule's
+                fn, fn_out = _tvm_callable(torch, mod, [x], contender != "tvm_dlight", target, logs, hopper)
             except Exception as err_:  # pylint: disable=broad-except
                 fn, fn_out = _raise(err_), None
             rows.append(_timed(torch, row, fn, fn_out, ref, MODEL_TOLERANCE, log))

@@ -13,12 +13,13 @@ from .schedule.lowering import PASS_CONFIG, TIR_PIPELINE
 from .target import parse_target, tuning_target
 
 
-def compile_module(mod: tvm.IRModule, target, comfuse: bool = True, database=None, hopper: bool = False):
+def compile_module(mod: tvm.IRModule, target, comfuse: bool = True, database=None, hopper: bool | None = None):
     """``tvm.compile`` with ComFuse's Relax and TIR pipelines, or TVM's defaults (``comfuse=False``).
 
     The TIR pipeline and pass config carry the TVM 0.27 workarounds the tensor-core kernels
     need (:mod:`tvm_comfuse.schedule.lowering`); the rest of the module lowers as usual.
-    ``hopper``: the wgmma kernels for the post-norm groups they take (see ``get_pipeline``).
+    ``hopper``: the wgmma kernels for the post-norm groups they take (``None``: on sm_90; see
+    ``get_pipeline``).
     """
     target = parse_target(target)
     if not comfuse:

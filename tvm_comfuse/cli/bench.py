@@ -14,15 +14,13 @@ EXAMPLES = """examples:
   comfuse bench --norms layer_norm rms_norm softmax --dtypes float16 bfloat16
   comfuse bench --shapes bert-base-attnout --contenders cublas_gemm comfuse
   comfuse bench --contenders tvm_dlight tvm_metaschedule comfuse    vanilla MetaSchedule, 64 trials per task
-  comfuse bench --contenders cublas_gemm inductor comfuse comfuse_hopper   the Hopper wgmma kernels too
+  comfuse bench --contenders cublas_gemm inductor comfuse comfuse_mma_sync   the portable mma.sync rule too
   comfuse bench --shapes --models bert-base bert-large --batch 32 --seq 128   whole encoders only
 """
 
 
 #: Contenders that take minutes per shape to build.
 _SLOW = ("inductor_max_autotune", "tvm_metaschedule")
-#: Contenders not yet run on a GPU (their kernels compile, their numbers are unmeasured).
-_UNMEASURED = ("comfuse_hopper",)
 
 
 def add_parser(sub) -> None:
@@ -35,11 +33,10 @@ def add_parser(sub) -> None:
     p.add_argument("--norms", nargs="+", default=["layer_norm"], choices=["layer_norm", "rms_norm", "softmax"])
     p.add_argument("--dtypes", nargs="+", default=["float16"], choices=["float16", "bfloat16"])
     p.add_argument(
-        "--contenders", nargs="+", default=[c for c in bench.CONTENDERS if c not in _SLOW + _UNMEASURED],
+        "--contenders", nargs="+", default=[c for c in bench.CONTENDERS if c not in _SLOW],
         choices=bench.CONTENDERS,
         help=f"{' and '.join(_SLOW)} are off by default: they compile (tune, for vanilla MetaSchedule: "
-             f"{bench.VANILLA_TRIALS} trials per task) for minutes per shape; so is comfuse_hopper "
-             "(the wgmma kernels, issue 8), until it has been measured",
+             f"{bench.VANILLA_TRIALS} trials per task) for minutes per shape",
     )
     p.add_argument("--out", help="results JSON (default notebooks/results/bench-<gpu>-<date>.json)")
 

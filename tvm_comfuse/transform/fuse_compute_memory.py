@@ -234,13 +234,13 @@ def _canonicalize(mod: tvm.IRModule) -> tvm.IRModule:
     return HoistRowReshape()(CastBeforeTranspose()(mod))
 
 
-def analyze(mod: tvm.IRModule, target=None, hopper: bool = False) -> list:
+def analyze(mod: tvm.IRModule, target=None, hopper: bool | None = None) -> list:
     """The fusion groups :func:`FuseComputeMemory` would form, without changing ``mod``.
 
     With a GPU ``target``, groups whose rows do not fit the target's one-kernel schedule, or
     that the gemm_reduce rule cannot tile, are reported as left to vanilla fusion
-    (``fused=False``), as ``get_pipeline(target)`` does; ``hopper`` as ``get_pipeline(target,
-    hopper=True)`` does (the Hopper kernel also takes rows too wide for the rule).
+    (``fused=False``), as ``get_pipeline(target)`` does; ``hopper`` as in ``get_pipeline``
+    (``None``: on sm_90 targets; the Hopper kernel also takes rows too wide for the rule).
 
     Returns a list of :class:`~tvm_comfuse.graph.group.FusionGroup` (``kind``, ``ops``,
     ``name`` of the function the group becomes, GEMM shape, dtypes, inputs and outputs).
@@ -250,11 +250,12 @@ def analyze(mod: tvm.IRModule, target=None, hopper: bool = False) -> list:
     check_module(mod, "analyze")
     mod = _canonicalize(mod)
     target = parse_target(target) if target is not None else None
+    from .offload_hopper import hopper_takes, uses_hopper  # pylint: disable=import-outside-toplevel  (it imports us)
+
+    hopper = target is not None and uses_hopper(target, hopper)
     groups, wide = _limit_to_target(_plan(mod), target, hopper)
     out, names, groups = _outline_schedulable(mod, groups, (GEMM_REDUCE, GEMM_ELEMENTWISE), target, hopper, wide)
-    if hopper and target is not None:
-        from .offload_hopper import hopper_takes  # pylint: disable=import-outside-toplevel  (it imports us)
-
+    if hopper:
         taken = {i for i, name in names.items() if groups[i].kind == GEMM_REDUCE and hopper_takes(out[name], target)}
         groups = [replace(g, note="runs as the Hopper wgmma post-norm kernel") if i in taken else g for i, g in enumerate(groups)]
     return _resolve(groups, names)
@@ -273,7 +274,7 @@ class FuseComputeMemory:  # pylint: disable=too-few-public-methods
         passes its target).
     hopper : bool
         Keep the groups the Hopper post-norm kernel takes on sm_90 (rows up to 6144 wide), for
-        OffloadHopperPostNorm to replace (``get_pipeline(target, hopper=True)``).
+        OffloadHopperPostNorm to replace (``get_pipeline`` sets it where it runs that pass).
     kinds : tuple of str
         Group kinds to outline. ``"b2b_gemm"`` groups are detected by :func:`analyze` but not
         outlined until a back-to-back schedule exists; their GEMM groups are outlined

@@ -13,9 +13,9 @@ through the module's ``external_mods`` (TVM's BYOC path), and the call becomes
 ``R.call_dps_packed`` of it (3-D activations are read as rows in place: no reshape). A function the
 description cannot express exactly (another op, another output, an unused binding) or the
 kernel cannot take (rows wider than a cluster's slices hold, M not a multiple of 64, symbolic
-shapes) is left alone: the
-``gemm_reduce`` rule schedules it as before. Off by default (``get_pipeline(..., hopper=True)``)
-until the kernel has been measured on a GPU.
+shapes) is left alone: the ``gemm_reduce`` rule schedules it as before. On by default for sm_90
+targets (``get_pipeline(target, hopper=False)`` turns it off), where it measured faster than the
+rule on every suite shape (H200, session 8).
 """
 
 from __future__ import annotations
@@ -158,6 +158,13 @@ def match_postnorm(func: relax.Function):
 def is_hopper(target: tvm.target.Target) -> bool:
     """An sm_90 CUDA target (wgmma needs sm_90a, which every sm_90 part runs)."""
     return target.kind.name == "cuda" and str(target.attrs.get("arch", "")).startswith("sm_90")
+
+
+def uses_hopper(target, hopper: bool | None = None) -> bool:
+    """Whether ComFuse runs post-norm groups as the Hopper kernel on ``target``: ``hopper`` if
+    given, else whether ``target`` is an sm_90 GPU (the default since it measured faster than
+    the mma.sync rule there, session 8)."""
+    return bool(is_hopper(parse_target(target)) if hopper is None else hopper)
 
 
 def hopper_takes(func: relax.Function, target: tvm.target.Target) -> bool:

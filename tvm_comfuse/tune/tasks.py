@@ -2,8 +2,14 @@
 
 Tasks are extracted from the module after :func:`tvm_comfuse.pipeline.fusion_passes`, with
 MetaSchedule's own extractor, so each task's IRModule is exactly what
-``MetaScheduleApplyDatabase`` looks up when ``get_pipeline(target, database=DIR)`` compiles
-the same module: a record tuned here is a record found there.
+``MetaScheduleApplyDatabase`` looks up when ``get_pipeline(target, database=DIR,
+hopper=False)`` compiles the same module: a record tuned here is a record found there.
+
+What MetaSchedule tunes is the gemm_reduce rule's design space (and, with ``include_vanilla``,
+the stock rules'). The Hopper post-norm kernel, which ``get_pipeline`` uses on sm_90 by default,
+is not a MetaSchedule task (its configuration follows the row width and the SM count), so tasks
+are extracted with ``hopper=False``: on sm_90 the logs serve the rule, and any group the Hopper
+kernel does not take.
 """
 
 from __future__ import annotations
@@ -31,9 +37,10 @@ class Task:
 
 
 def fused_module(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
-    """``mod`` after ComFuse's fusion (and the vanilla fusion of the rest), before scheduling."""
+    """``mod`` after ComFuse's fusion with the mma.sync rule's groups (and the vanilla fusion of
+    the rest), before scheduling."""
     with target:
-        return tvm.transform.Sequential(fusion_passes(target))(mod)
+        return tvm.transform.Sequential(fusion_passes(target, hopper=False))(mod)
 
 
 def extract_tasks(mod: tvm.IRModule, target: tvm.target.Target, include_vanilla: bool = False) -> list[Task]:
