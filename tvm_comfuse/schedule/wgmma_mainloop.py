@@ -19,7 +19,10 @@ no better than mma.sync. Here the CTA is split by role, as CUTLASS's sm90 kernel
         previous one (``wait_group 1``), whose slot they then release on "empty".
 
 So loads run ``stages`` K steps ahead without any CTA barrier, and the tensor cores always have
-the next group queued. TMA writes the ``2 * bk``-byte swizzle (row ``r``'s 16-byte chunk ``j``
+the next group queued. The last K step is issued after the loop and waited for at once: with it
+inside, ptxas (CUDA 13.0) hoisted epilogue arithmetic on the accumulators above the final
+``wait_group 0``, and the fused post-norm read registers the last wgmma was still writing
+(wrong results on the H200, session 8; :func:`tvm_comfuse.codegen.wgmma_hazards` checks the SASS). TMA writes the ``2 * bk``-byte swizzle (row ``r``'s 16-byte chunk ``j``
 at ``j ^ ((r * row_bytes >> 7) % chunks)``) that the descriptors read. The tensor maps are
 encoded by the host code of the kernel on every call (``T.tensormap_encode_tiled``: TVM's CUDA
 runtime, ``cuTensorMapEncodeTiled``), passed as ``__grid_constant__`` parameters.
@@ -113,6 +116,8 @@ class WgmmaConfig:
             found.append(f"bk = {self.bk} (32 or 64: one 64- or 128-byte swizzled row)")
         if self.stages < 2:
             found.append(f"stages = {self.stages} (at least 2: a load in flight while the tensor cores work)")
+        if self.inflight not in (0, 1):
+            found.append(f"inflight = {self.inflight} (0 or 1 wgmma groups kept in flight)")
         if self.threads > 1024:
             found.append(f"{self.threads} threads (at most 1024)")
         if self.consumer_regs < self.wg_cols // 2 + 32:  # ptxas: m64n256 (128 accumulators) needs 154
