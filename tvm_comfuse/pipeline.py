@@ -236,4 +236,3 @@ def get_pipeline(target, database=None, hopper: bool | None = None) -> tvm.trans
             return seq(mod)
 
     return _pipeline
-

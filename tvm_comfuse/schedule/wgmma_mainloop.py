@@ -361,9 +361,12 @@ def wgmma_gemm(m: int, n: int, k: int, dtype: str = "float16", cfg: WgmmaConfig 
     return gemm
 
 
-def build(func, arch: str = "sm_90a"):
-    """Compile a tirx PrimFunc from this module (wgmma needs the ``a`` of sm_90a; the target is
-    also the current one, which TVM's NVRTC callback reads the architecture from)."""
-    target = tvm.target.Target({"kind": "cuda", "arch": arch})
+def build(func, arch: str = "sm_90a", host=None, symbol: str | None = None):
+    """Compile a tirx PrimFunc from this module, as ``main`` or exported as ``symbol`` (wgmma
+    needs the ``a`` of sm_90a; the target is also made the current one, which TVM's NVRTC
+    callback reads the architecture from: inside a Relax pipeline that would otherwise be the
+    pipeline's)."""
+    target = tvm.target.Target({"kind": "cuda", "arch": arch}, host=host)
+    mod = tvm.IRModule({symbol: func.with_attr("global_symbol", symbol)} if symbol else {"main": func})
     with target:
-        return tvm.compile(tvm.IRModule({"main": func}), target=target, tir_pipeline="tirx")
+        return tvm.compile(mod, target=target, tir_pipeline="tirx")

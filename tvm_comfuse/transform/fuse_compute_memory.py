@@ -273,7 +273,7 @@ class FuseComputeMemory:  # pylint: disable=too-few-public-methods
         that the gemm_reduce rule cannot tile, stay with vanilla fusion (``get_pipeline``
         passes its target).
     hopper : bool
-        Keep the groups the Hopper post-norm kernel takes on sm_90 (rows up to 6144 wide), for
+        Keep the groups the Hopper post-norm kernel takes on sm_90 (rows up to 4096 wide), for
         OffloadHopperPostNorm to replace (``get_pipeline`` sets it where it runs that pass).
     kinds : tuple of str
         Group kinds to outline. ``"b2b_gemm"`` groups are detected by :func:`analyze` but not

@@ -176,11 +176,9 @@ def hopper_takes(func: relax.Function, target: tvm.target.Target) -> bool:
 
 
 def _build(prim_func, symbol: str, target: tvm.target.Target):
-    host = target.host or tvm.target.Target("llvm")
-    device = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}, host=host)
-    mod = tvm.IRModule({symbol: prim_func.with_attr("global_symbol", symbol)})
-    with device:  # TVM's NVRTC callback takes the architecture from the current target, not the pipeline's
-        return tvm.compile(mod, target=device, tir_pipeline="tirx").mod
+    from ..schedule.wgmma_mainloop import build  # pylint: disable=import-outside-toplevel
+
+    return build(prim_func, host=target.host or tvm.target.Target("llvm"), symbol=symbol).mod
 
 
 @mutator
