@@ -371,16 +371,26 @@ def test_wgmma_mainloop_rejects_tiles_it_cannot_run():
 def test_wgmma_postnorm_is_one_kernel_on_wgmma(N, K, norm):
     """The fused Hopper post-norm (issue 8): GEMM on wgmma and the row normalisation in one
     kernel; its only global stores are the normalised output (the un-normalised row stays in
-    registers), and ptxas accepts it for sm_90a."""
+    registers), and ptxas accepts it for sm_90a. Staged (the default where it fits), the
+    residual arrives by TMA during the K loop and the output leaves by TMA stores from shared
+    memory; unstaged, both are plain fp16 global accesses."""
     from tvm_comfuse.schedule import wgmma_mainloop as wm, wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
 
-    source = codegen.cuda_source(wm.build(wp.wgmma_postnorm(128, N, K, wp.PostNorm.suite("float16", norm))))
-    assert len(codegen.kernel_names(source)) == 1
-    ptx = codegen.compile_with_nvcc(source, "sm_90a", fmt="ptx").decode()
-    assert f"wgmma.mma_async.sync.aligned.m64n{wp.default_config(N, 128).wg_cols}k16.f32.f16.f16" in ptx
-    stores = re.findall(r"st\.global\S*", ptx)
-    assert stores and all(re.fullmatch(r"st\.global(\.v[24])?\.[ub]16", st) for st in stores), set(stores)  # fp16 only
-    assert codegen.compile_with_nvcc(source, "sm_90a")[:4] == b"\x7fELF"
+    spec = wp.PostNorm.suite("float16", norm)
+    for stage in (None, False):
+        source = codegen.cuda_source(wm.build(wp.wgmma_postnorm(4096, N, K, spec, stage=stage)))
+        assert len(codegen.kernel_names(source)) == 1
+        ptx = codegen.compile_with_nvcc(source, "sm_90a", fmt="ptx").decode()
+        assert f"wgmma.mma_async.sync.aligned.m64n{wp.default_config(N, 4096, K, spec).wg_cols}k16.f32.f16.f16" in ptx
+        stores = re.findall(r"st\.global\S*", ptx)
+        assert all(re.fullmatch(r"st\.global(\.v[24])?\.[ub]16", st) for st in stores), set(stores)  # fp16 only
+        cfg = wp.default_config(N, 4096, K, spec)
+        staged = wp.staging(spec, cfg, stage)
+        assert staged == (wp.Staging((1,), True) if stage is None and cfg.bn % 64 == 0 else wp.Staging())
+        # staged: no global store left, one TMA store per 64-column box of the CTA's slice
+        assert (len(stores) == 0, ptx.count("cp.async.bulk.tensor.2d.global.shared::cta")) == \
+            ((True, cfg.bn // 64) if staged.store else (False, 0))
+        assert codegen.compile_with_nvcc(source, "sm_90a")[:4] == b"\x7fELF"
 
 
 @pytest.mark.parametrize("M, N, ranks", [(4096, 768, 2), (16384, 1024, 2), (128, 256, 8)])

@@ -207,15 +207,16 @@ def test_gpu_wgmma_mainloop_matches_torch(M, N, K, dtype, cfg):
     assert (c.float() - a.float() @ b.float().T).abs().max().item() <= TOL[dtype]
 
 
-@pytest.mark.parametrize("M, N, K, dtype, norm, cfg", [
-    (4096, 768, 768, "float16", "layer_norm", None), (4096, 768, 768, "float16", "layer_norm", (64, 192, 4, 64, 1)),
-    (16384, 1024, 256, "float16", "layer_norm", None), (192, 768, 3072, "float16", "layer_norm", None),
-    (128, 512, 256, "bfloat16", "layer_norm", None), (256, 256, 128, "float16", "rms_norm", None),
-    (128, 512, 128, "float16", "layer_norm", (64, 512, 2, 32, 2)),
+@pytest.mark.parametrize("M, N, K, dtype, norm, cfg, stage", [
+    (4096, 768, 768, "float16", "layer_norm", None, None), (4096, 768, 768, "float16", "layer_norm", None, False),
+    (4096, 768, 768, "float16", "layer_norm", (64, 192, 4, 64, 1), None), (16384, 1024, 256, "float16", "layer_norm", None, None),
+    (192, 768, 3072, "float16", "layer_norm", None, None), (128, 512, 256, "bfloat16", "layer_norm", None, None),
+    (4096, 256, 128, "float16", "rms_norm", None, None), (256, 256, 128, "float16", "rms_norm", None, None), (128, 512, 128, "float16", "layer_norm", (64, 512, 2, 32, 2), None),
 ])
-def test_gpu_wgmma_postnorm_matches_torch(M, N, K, dtype, norm, cfg):
+def test_gpu_wgmma_postnorm_matches_torch(M, N, K, dtype, norm, cfg, stage):
     """The fused Hopper post-norm (warp-specialised wgmma mainloop + register row epilogue, rows
-    sliced over a cluster or whole in one CTA, 64- or 128-byte swizzle) against PyTorch in fp32."""
+    sliced over a cluster or whole in one CTA, 64- or 128-byte swizzle, residual and output
+    through shared memory by TMA or not) against PyTorch in fp32."""
     import tvm  # pylint: disable=import-outside-toplevel
 
     from tvm_comfuse.schedule import wgmma_mainloop as wm, wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
@@ -223,7 +224,7 @@ def test_gpu_wgmma_postnorm_matches_torch(M, N, K, dtype, norm, cfg):
     _need_sm90(tvm)
     x, w, b, r, g, be = _inputs(M, K, N, dtype, linear=True)
     out = torch.full((M, N), float("nan"), device="cuda", dtype=x.dtype)
-    kernel = wm.build(wp.wgmma_postnorm(M, N, K, wp.PostNorm.suite(dtype, norm), cfg and wm.WgmmaConfig(*cfg)))["main"]
+    kernel = wm.build(wp.wgmma_postnorm(M, N, K, wp.PostNorm.suite(dtype, norm), cfg and wm.WgmmaConfig(*cfg), stage=stage))["main"]
     params = (x, w, b, r, g, be) if norm == "layer_norm" else (x, w, b, r, g)  # RMSNorm has no beta
     kernel(*[tvm.runtime.from_dlpack(t) for t in (*params, out)])
     y = x.float() @ w.float().T + b.float() + r.float()

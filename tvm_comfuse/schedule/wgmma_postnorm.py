@@ -31,7 +31,7 @@ import tvm.script
 from tvm.script import tirx as T
 
 from ..errors import ComFuseError
-from .wgmma_mainloop import SMEM_LIMIT, Ring, WgmmaConfig, box_rows, consumer_sync, fragment, mainloop, roles, tensor_map
+from .wgmma_mainloop import SMEM_LIMIT, TMA_LOAD, Ring, WgmmaConfig, box_rows, consumer_sync, fragment, mainloop, roles, tensor_map
 
 NORMS = ("layer_norm", "rms_norm")
 #: Widest row slice a 64-row CTA holds in registers: two consumer warpgroups of 256 columns
@@ -42,6 +42,9 @@ MAX_ROW = 512
 CLUSTER_SIZES = (1, 2, 4, 8)
 #: SMs of the sm_90 parts ComFuse targets (H100 SXM, H200): what ``default_config`` fills.
 SM_COUNT = 132
+#: Columns of one staged box: a 128-byte swizzled row of 2-byte elements (TMA's widest swizzle).
+BOX_COLS = 64
+TMA_STORE = "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group"
 
 
 @dataclass(frozen=True)
@@ -122,11 +125,42 @@ def reference(spec: PostNorm, x, w, p0, p1, gamma, beta=None) -> list:
     return [out, y] if spec.norm_out else [out]
 
 
-def default_config(n: int, m: int | None = None) -> WgmmaConfig:
+@dataclass(frozen=True)
+class Staging:
+    """How the epilogue's tiles move (session 9): ``tiles`` are the operands (indices) the
+    producer loads by TMA into shared memory while the K loop runs, so the epilogue reads them
+    from shared memory instead of waiting on global loads in the accumulator layout after it;
+    ``store`` says the output goes back the same way (written in place into the first staged
+    region, or a region of its own, then one TMA store per box). Either needs 2-byte elements
+    (the GEMM's dtype) and slices of whole 64-column boxes (128-byte swizzled rows, conflict-free in the
+    fragment layout: a warp's 8 rows land in 8 different 16-byte chunks)."""
+
+    tiles: tuple = ()
+    store: bool = False
+
+    @property
+    def regions(self) -> int:
+        return max(len(self.tiles), int(self.store))
+
+    def smem_bytes(self, cfg: WgmmaConfig) -> int:
+        return self.regions * 64 * cfg.bn * 2
+
+
+def staging(spec: PostNorm, cfg: WgmmaConfig, stage: bool | None = None) -> Staging:
+    """What the epilogue of ``cfg`` stages for ``spec``: everything it can (``stage`` True,
+    or None where it also fits shared memory beside the ring), or nothing (False)."""
+    if stage is False or cfg.bn % BOX_COLS:
+        return Staging()
+    full = Staging(tuple(j for j, (d, tile) in enumerate(spec.operands) if tile and d == spec.dtype), spec.out_dtype == spec.dtype)
+    return full if stage or cfg.smem_bytes + full.smem_bytes(cfg) <= SMEM_LIMIT else Staging()
+
+
+def default_config(n: int, m: int | None = None, k: int | None = None, spec: PostNorm | None = None) -> WgmmaConfig:
     """A CTA owns 64 rows of a ``bn``-column slice of the row, ``n / bn`` CTAs of a cluster
     the whole row: the fewest slices whose accumulators fit one CTA's registers and, given
     ``m``, whose CTAs fill the SMs; in a slice the fewest warpgroups with wgmma N <= 256, and
-    the deepest ring (``bk`` 64 when two stages fit, else 32) that fits shared memory."""
+    the deepest ring (``bk`` 64 when two stages fit, else 32) that fits shared memory beside
+    the staged epilogue tiles of ``spec`` (given), and no deeper than ``k``'s K steps."""
     ranks = [r for r in CLUSTER_SIZES if n % r == 0 and (n // r) % 16 == 0 and n // r <= MAX_ROW]
     if not ranks:
         raise ComFuseError(f"wgmma post-norm cannot slice N = {n} over at most {CLUSTER_SIZES[-1]} CTAs of {MAX_ROW} columns")
@@ -136,57 +170,83 @@ def default_config(n: int, m: int | None = None) -> WgmmaConfig:
     wg_n = next((w for w in range(1, 9) if bn % w == 0 and (bn // w) % 16 == 0 and bn // w <= 256), None)
     if wg_n is None:
         raise ComFuseError(f"wgmma post-norm cannot split a {bn}-column slice into warpgroup tiles (a multiple of 16 up to 256 each)")
+    staged = staging(spec, WgmmaConfig(64, bn, 2, 32, wg_n)) if spec is not None else Staging()
     for bk in (64, 32):
-        stages = min(4, SMEM_LIMIT // ((64 + bn) * bk * 2))
+        stages = min(4, (SMEM_LIMIT - staged.smem_bytes(WgmmaConfig(64, bn))) // ((64 + bn) * bk * 2))
+        if k is not None:
+            stages = min(stages, max(2, k // bk))
         if stages >= 2:
             return WgmmaConfig(bm=64, bn=bn, stages=stages, bk=bk, wg_n=wg_n)
     raise ComFuseError(f"wgmma post-norm: a 64 x {bn} tile does not fit shared memory twice over")
 
 
-def problems(m, n, k, spec: PostNorm, cfg: WgmmaConfig | None = None) -> list:
+def problems(m, n, k, spec: PostNorm, cfg: WgmmaConfig | None = None, stage: bool | None = None) -> list:
     """Everything that keeps :func:`wgmma_postnorm` from this GEMM shape and chain."""
     found = spec.problems()
     if not all(isinstance(d, int) for d in (m, n, k)):
         return found + [f"symbolic shape M, N, K = {m}, {n}, {k} (static only)"]
     try:
-        cfg = cfg or default_config(n, m)
+        cfg = cfg or default_config(n, m, k, spec)
     except ComFuseError as err:
         return found + [str(err)]
     if cfg.bm != 64 or n % cfg.bn or n // cfg.bn not in CLUSTER_SIZES or cfg.bn > MAX_ROW:
         found.append(f"{cfg} (a CTA owns 64 rows of an N / {list(CLUSTER_SIZES)} slice of at most {MAX_ROW} columns)")
+    if stage and cfg.bn % BOX_COLS:
+        found.append(f"staged epilogue tiles with bn = {cfg.bn} (whole {BOX_COLS}-column boxes)")
+    elif cfg.smem_bytes + staging(spec, cfg, stage).smem_bytes(cfg) > SMEM_LIMIT:
+        found.append(f"{cfg} with its staged epilogue tiles: over {SMEM_LIMIT // 1024} KiB of shared memory (fewer stages)")
     return found + cfg.problems(m, n, k, spec.dtype)
 
 
-def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: WgmmaConfig | None = None, lead=None):
+def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: WgmmaConfig | None = None, lead=None,
+                   stage: bool | None = None):
     """The fused kernel, a tirx PrimFunc for sm_90a with parameters ``(x[*lead, k], w[n, k],
     operand 0, operand 1, gamma[n], beta[n] (LayerNorm only), out[*lead, n], norm[*lead, n]
     (``spec.norm_out`` only))``: ``lead`` are the row dimensions (``(m,)`` by default; ``(B,
     S)`` for 3-D activations, read as ``B * S`` rows through 2-D views of the same memory, so
-    the caller needs no reshape)."""
-    found = problems(m, n, k, spec, cfg)
+    the caller needs no reshape). ``stage``: whether tiles move through shared memory by TMA
+    (:func:`staging`; None: where they fit)."""
+    found = problems(m, n, k, spec, cfg, stage)
     if found:
         raise ComFuseError("wgmma post-norm cannot take " + "; ".join(found))
-    cfg = cfg or default_config(n, m)
+    cfg = cfg or default_config(n, m, k, spec)
     acc_n, wg_cols, parts, rms = cfg.wg_cols // 2, cfg.wg_cols, 4 * cfg.wg_n, spec.norm == "rms_norm"
     slice_n, ranks = cfg.bn, n // cfg.bn
+    stg, boxes = staging(spec, cfg, stage), cfg.bn // BOX_COLS
+    ring_elems, tile_bytes = cfg.stages * (64 + slice_n) * cfg.bk, 64 * slice_n * 2
     produce, consume = mainloop(cfg, k, spec.dtype)
     init = Ring(cfg.stages, cfg.consumers).init()
     producer, consumer = roles(cfg)
     sync = consumer_sync(cfg)
-    encode_x, encode_w = tensor_map(m, k, 64, cfg.bk, spec.dtype), tensor_map(n, k, box_rows(slice_n), cfg.bk, spec.dtype)
     lead = tuple(lead or (m,))
     if math.prod(lead) != m:
         raise ComFuseError(f"wgmma post-norm: row dimensions {lead} do not multiply to M = {m}")
     shape = [(*lead, n) if tile else (n,) for _, tile in spec.operands]
     shape2 = [(m, n) if tile else (n,) for _, tile in spec.operands]
+    # tensor maps: the GEMM's operands in the ring's boxes, the staged tiles in 64 x 64 boxes
+    maps = {"x": tensor_map(m, k, 64, cfg.bk, spec.dtype), "w": tensor_map(n, k, box_rows(slice_n), cfg.bk, spec.dtype)}
+    maps.update({f"p{j}": tensor_map(m, n, 64, BOX_COLS, spec.operands[j][0]) for j in stg.tiles})
+    if stg.store:
+        maps["out"] = tensor_map(m, n, 64, BOX_COLS, spec.out_dtype)
 
-    def chain(v, p0, p1, row, col):
-        """The elementwise chain on fp32 value ``v`` at global ``(row, col)`` (plain Python,
-        run while the kernel is parsed: one expression per accumulator)."""
+    def staged(R, r, row, col):
+        """Element ``(row, col)`` of the CTA's ``64 x slice_n`` tile in region ``r`` of ``R``
+        (``[regions, boxes, 64, 64]``, TMA's 128-byte swizzle: 16-byte chunk ``c`` of row ``r``
+        at ``c ^ r % 8``)."""
+        return R[r, col // BOX_COLS, row, (col % BOX_COLS // 8 ^ row % 8) * 8 + col % 8]
+
+    region = {j: r for r, j in enumerate(stg.tiles)}  # staged operand -> its region of R
+
+    def chain(v, p0, p1, R, row, col, lrow, lcol):
+        """The elementwise chain on fp32 value ``v`` at global ``(row, col)``, local ``(lrow,
+        lcol)`` in the CTA's tile (plain Python, run while the kernel is parsed: one expression
+        per accumulator); staged operands are read from their region of ``R``."""
         for step in spec.steps:
             if step.op == "add":
-                buf, (_, tile) = (p0, p1)[step.operand], spec.operands[step.operand]
-                v = v + T.cast(buf[row, col] if tile else buf[col], "float32")
+                j = step.operand
+                buf, tile = (p0, p1)[j], spec.operands[j][1]
+                val = staged(R, region[j], lrow, lcol) if j in region else buf[row, col] if tile else buf[col]
+                v = v + T.cast(val, "float32")
             if step.dtype != "float32":
                 v = T.cast(T.cast(v, step.dtype), "float32")
         return v
@@ -198,10 +258,39 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
         return y if beta is None else y + T.cast(beta[col], "float32")
 
     @T.macro
-    def store(out, out2, row, col, y):
-        out[row, col] = T.cast(y, spec.out_dtype)
+    def store(out, out2, R, row, col, lrow, lcol, y):
+        if stg.store:  # in place of the first staged tile: each element is one thread's
+            R[0, lcol // BOX_COLS, lrow, (lcol % BOX_COLS // 8 ^ lrow % 8) * 8 + lcol % 8] = T.cast(y, spec.out_dtype)
+        else:
+            out[row, col] = T.cast(y, spec.out_dtype)
         if out2 is not None:
             out2[row, col] = y
+
+    @T.macro
+    def load_tile(t_map, R, r, rfull, bx, rk):
+        for b in T.unroll(boxes):
+            T.ptx[TMA_LOAD](R.ptr_to([r, b, 0, 0]), T.address_of(t_map), rk * slice_n + b * BOX_COLS, bx * 64, rfull.ptr_to([0]))
+
+    @T.macro
+    def stage_in(t0_map, t1_map, R, rfull, bx, rk):
+        """The producer's first loads: the staged tiles of CTA (``bx``, ``rk``), on ``rfull``."""
+        T.ptx.mbarrier.arrive.expect_tx.shared.b64(rfull.ptr_to([0]), T.uint32(len(stg.tiles) * tile_bytes))
+        if len(stg.tiles) > 0:
+            load_tile(t0_map, R, 0, rfull, bx, rk)
+        if len(stg.tiles) > 1:
+            load_tile(t1_map, R, 1, rfull, bx, rk)
+
+    @T.macro
+    def stage_out(out_map, R, tx, bx, rk):
+        """The output tile from region 0 of ``R`` to global memory, one TMA store per box, after
+        every consumer thread's writes are visible to the async proxy."""
+        T.ptx["fence.proxy.async.shared::cta"]()
+        sync()
+        if tx == 0:
+            for b in T.unroll(boxes):
+                T.ptx[TMA_STORE](T.address_of(out_map), rk * slice_n + b * BOX_COLS, bx * 64, R.ptr_to([0, b, 0, 0]))
+            T.ptx["cp.async.bulk.commit_group"]()
+            T.ptx["cp.async.bulk.wait_group.read"](0)  # the CTA's shared memory outlives the reads
 
     # pylint: disable=invalid-name,unused-variable,too-many-locals,too-many-arguments
     @T.macro
@@ -230,7 +319,7 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
                     stat[h, col] = stat[h, col] + got[0]
 
     @T.macro
-    def epilogue(P0, P1, gamma, beta, out, out2, acc, tx, bx, rk):
+    def epilogue(P0, P1, gamma, beta, out, out2, out_map, R, rfull, acc, tx, bx, rk):
         """The chain and the norm on the accumulators of consumer thread ``tx``, rows of CTA
         ``bx``, columns of its slice ``rk``."""
         part = T.alloc_shared([2, 64, parts], "float32")  # per row: 4 quad lanes x wg_n warpgroups
@@ -239,14 +328,17 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
         stat = T.alloc_local([2, 2], "float32")  # [row half, mean / rstd]
         peer = T.alloc_local([1], "uint32")
         got = T.alloc_local([1], "float32")
-        c0 = T.meta_var(rk * slice_n + tx // 128 * wg_cols)
+        l0 = T.meta_var(tx // 128 * wg_cols)  # the warpgroup's first column in the slice
+        c0 = T.meta_var(rk * slice_n + l0)
         for h in T.unroll(2):
             s[h] = T.float32(0)
+        if len(stg.tiles) > 0:
+            T.cuda.mbarrier_wait(rfull.ptr_to([0]), 0)
         # accumulators 2q and 2q + 1 are one row's adjacent columns: vector loads and stores
         for q in T.unroll(acc_n // 2):
             for j in T.vectorized(2):
                 row, col = T.meta_var(fragment(tx, 2 * q + j))
-                acc[2 * q + j] = chain(acc[2 * q + j], P0, P1, bx * 64 + row, c0 + col)
+                acc[2 * q + j] = chain(acc[2 * q + j], P0, P1, R, bx * 64 + row, c0 + col, row, l0 + col)
         for i in T.unroll(acc_n):
             s[i // 2 % 2] = s[i // 2 % 2] + square(acc[i])
         row_total(part, rowpart, peer, got, tx, s, stat, 0, 0)
@@ -268,12 +360,14 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
             for j in T.vectorized(2):
                 row, col = T.meta_var(fragment(tx, 2 * q + j))
                 y = T.meta_var((acc[2 * q + j] - stat[q % 2, 0]) * stat[q % 2, 1] * T.cast(gamma[c0 + col], "float32"))
-                store(out, out2, bx * 64 + row, c0 + col, shift(y, beta, c0 + col))
+                store(out, out2, R, bx * 64 + row, c0 + col, row, l0 + col, shift(y, beta, c0 + col))
+        if stg.store:
+            stage_out(out_map, R, tx, bx, rk)
         if ranks > 1:
             T.cuda.cluster_sync()  # no CTA leaves while the cluster may still read its rowpart
 
     @T.macro
-    def body(x_map, w_map, P0, P1, gamma, beta, out, out2):
+    def body(x_map, w_map, t0_map, t1_map, out_map, P0, P1, gamma, beta, out, out2):
         if ranks > 1:
             bx = T.cluster_id([m // 64])
             rk = T.cta_id_in_cluster([ranks])
@@ -282,21 +376,30 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
             rk = 0
         wg = T.warpgroup_id([cfg.consumers + 1])
         tw = T.thread_id_in_wg([128])
-        S = T.alloc_shared([cfg.stages, 64 + slice_n, cfg.bk], spec.dtype, scope="shared.dyn", align=1024)
+        # one dynamic buffer (tirx allows one): the ring, then the staged regions (1 KiB aligned)
+        flat = T.alloc_shared([ring_elems + stg.regions * 64 * slice_n], spec.dtype, scope="shared.dyn", align=1024)
+        S = T.decl_buffer([cfg.stages, 64 + slice_n, cfg.bk], spec.dtype, data=flat.data, scope="shared.dyn")
+        R = T.decl_buffer([max(1, stg.regions), max(1, boxes), 64, BOX_COLS], spec.dtype, data=flat.data, elem_offset=ring_elems,
+                          scope="shared.dyn")
         full = T.alloc_shared([cfg.stages], "uint64", scope="shared", align=8)
         empty = T.alloc_shared([cfg.stages], "uint64", scope="shared", align=8)
+        rfull = T.alloc_shared([1], "uint64", scope="shared", align=8)
         acc = T.alloc_local([acc_n], "float32")
         da = T.alloc_local([1], "uint64")
         db = T.alloc_local([1], "uint64")
+        if wg * 128 + tw == 0:  # before the ring's init: its fence and CTA barrier cover this one
+            T.ptx.mbarrier.init.shared.b64(rfull.ptr_to([0]), T.uint32(1))
         init(full, empty, wg * 128 + tw)
         if wg == 0:
             producer()
             if tw == 0:
+                if len(stg.tiles) > 0:
+                    stage_in(t0_map, t1_map, R, rfull, bx, rk)
                 produce(x_map, w_map, S, full, empty, bx * 64, rk * slice_n)
         else:
             consumer()
             consume(S, full, empty, acc, da, db, wg - 1, tw)
-            epilogue(P0, P1, gamma, beta, out, out2, acc, (wg - 1) * 128 + tw, bx, rk)
+            epilogue(P0, P1, gamma, beta, out, out2, out_map, R, rfull, acc, (wg - 1) * 128 + tw, bx, rk)
 
     # the parameter list depends on the spec (beta, a second output): the signature is
     # generated, the body is the macro above
@@ -306,10 +409,12 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
     params += [("out", (*lead, n), spec.out_dtype, (m, n))] + ([("norm", (*lead, n), "float32", (m, n))] if spec.norm_out else [])
     lines = [f"def {spec.norm}_postnorm({', '.join(f'{p}_h: T.handle' for p, *_ in params)}):"]
     lines += [f"    {p}_p = T.match_buffer({p}_h, {shp}, {dt!r}, align=16)" for p, shp, dt, _ in params]
-    lines += [f"    {p}_map: T.let[T.handle('tensormap')] = T.tvm_stack_alloca('tensormap', 1)" for p in ("x", "w")]
-    lines += ["    encode_x(x_map, x_p.data)", "    encode_w(w_map, w_p.data)", "    T.device_entry()"]
+    lines += [f"    {p}_map: T.let[T.handle('tensormap')] = T.tvm_stack_alloca('tensormap', 1)" for p in maps]
+    lines += [f"    encode_{p}({p}_map, {p}_p.data)" for p in maps] + ["    T.device_entry()"]
     lines += [f"    {p} = T.decl_buffer({view}, {dt!r}, data={p}_p.data)" if view else f"    {p} = {p}_p" for p, _, dt, view in params[2:]]
     names = [p for p, *_ in params]
-    lines += [f"    body(x_map, w_map, p0, p1, gamma, {'beta' if 'beta' in names else 'None'}, out, {'norm' if 'norm' in names else 'None'})"]
+    tiles = [f"p{j}_map" for j in stg.tiles] + ["None"] * (2 - len(stg.tiles))
+    lines += [f"    body(x_map, w_map, {', '.join(tiles)}, {'out_map' if stg.store else 'None'}, p0, p1, gamma, "
+              f"{'beta' if 'beta' in names else 'None'}, out, {'norm' if 'norm' in names else 'None'})"]
     return tvm.script.from_source("@T.prim_func\n" + "\n".join(lines),
-                                  extra_vars={"T": T, "body": body, "encode_x": encode_x, "encode_w": encode_w})
+                                  extra_vars={"T": T, "body": body, **{f"encode_{p}": enc for p, enc in maps.items()}})
