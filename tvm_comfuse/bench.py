@@ -50,6 +50,9 @@ class Row:
     kernel_us: float | None = None
     wall_us: float | None = None
     kernels_per_call: float | None = None
+    #: Device µs per call of each kernel (by name, the most expensive first; the rest summed as
+    #: "(other)"): where a whole model's time goes, fused groups against the unfused rest.
+    breakdown: dict | None = None
     error: str | None = None
 
 
@@ -82,8 +85,9 @@ def wall_us(torch, fn, iters: int = 100) -> float:
     return best
 
 
-def kernel_us(torch, fn, iters: int = 20) -> tuple:
-    """Device time per call (sum of CUDA kernel durations, µs) and kernels per call."""
+def kernel_us(torch, fn, iters: int = 20, top: int = 16) -> tuple:
+    """Device time per call (sum of CUDA kernel durations, µs), kernels per call, and the time
+    per call of the ``top`` most expensive kernel names (the rest as ``"(other)"``)."""
     from torch.profiler import ProfilerActivity, profile  # pylint: disable=import-outside-toplevel
 
     for _ in range(3):
@@ -94,7 +98,14 @@ def kernel_us(torch, fn, iters: int = 20) -> tuple:
             fn()
         torch.cuda.synchronize()
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return sum(e.device_time for e in events) / iters, len(events) / iters
+    by_name = {}
+    for e in events:
+        by_name[e.name] = by_name.get(e.name, 0.0) + e.device_time / iters
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1])
+    breakdown = {name[:160]: round(us, 2) for name, us in ranked[:top]}
+    if len(ranked) > top:
+        breakdown["(other)"] = round(sum(us for _, us in ranked[top:]), 2)
+    return sum(e.device_time for e in events) / iters, len(events) / iters, breakdown
 
 
 def _tvm_callable(torch, mod, args, comfuse: bool, target, database=None, hopper: bool | None = None):
@@ -205,7 +216,7 @@ def _timed(torch, row, fn, fn_out, ref, tol, log):
             if not err <= tol:
                 raise ValueError(f"wrong result: max abs error {err:.3g}")
         row.wall_us = round(wall_us(torch, fn), 2)
-        ku, nk = kernel_us(torch, fn)
+        ku, nk, row.breakdown = kernel_us(torch, fn)
         row.kernel_us, row.kernels_per_call = round(ku, 2), round(nk, 2)
     except Exception as err_:  # pylint: disable=broad-except
         row.error = f"{type(err_).__name__}: {str(err_).splitlines()[0][:200] if str(err_) else ''}"

@@ -15,11 +15,11 @@ Why slices: a CTA holds at most :data:`MAX_ROW` columns of its 64 rows in regist
 whole-row CTAs at M = 4096 would be only 64 for 132 SMs. :func:`default_config` slices rows
 over the fewest CTAs that fill the SMs (2 x 384 columns for BERT-base).
 :class:`~tvm_comfuse.transform.OffloadHopperPostNorm` puts the kernel in the Relax pipeline
-(opt-in). On the H200 the first version (cp.async mainloop, session 8) was correct and beat
-the mma.sync rule on every suite shape (22.1 against 26.3 us at 4096x768x768, 82 against
-163 at 4096x4096x1024; ``notebooks/results/session8-h200-2026-12-03/``); this one runs the
-epilogue in the consumer warpgroups of the warp-specialised TMA mainloop, their barriers
-named (the producer warpgroup leaves once its loads are issued).
+(the default on sm_90). The epilogue runs in the consumer warpgroups of the warp-specialised
+mainloop, their barriers named (the producer warpgroup leaves once its loads are issued). The
+epilogue's tiles move by TMA where they fit (:class:`Staging`): the residual is loaded into
+shared memory while the K loop runs and the output leaves by TMA stores, which took the kernel from 18.4 to 14.0 us at 4096x768x768 and from 78.2 to 53.9 at
+16384x256x1024 on the H200 (session 9, ``notebooks/results/session9-h200-2026-12-04/``).
 """
 
 from __future__ import annotations
@@ -131,9 +131,9 @@ class Staging:
     producer loads by TMA into shared memory while the K loop runs, so the epilogue reads them
     from shared memory instead of waiting on global loads in the accumulator layout after it;
     ``store`` says the output goes back the same way (written in place into the first staged
-    region, or a region of its own, then one TMA store per box). Either needs 2-byte elements
-    (the GEMM's dtype) and slices of whole 64-column boxes (128-byte swizzled rows, conflict-free in the
-    fragment layout: a warp's 8 rows land in 8 different 16-byte chunks)."""
+    region, or a region of its own, then one TMA store per box). Either needs the GEMM's
+    (2-byte) dtype and slices of whole 64-column boxes: 128-byte swizzled rows, conflict-free
+    in the fragment layout (a warp's 8 rows land in 8 different 16-byte chunks)."""
 
     tiles: tuple = ()
     store: bool = False
@@ -173,9 +173,10 @@ def default_config(n: int, m: int | None = None, k: int | None = None, spec: Pos
     wg_n = next((w for w in range(1, 9) if bn % w == 0 and (bn // w) % 16 == 0 and bn // w <= 256), None)
     if wg_n is None:
         raise ComFuseError(f"wgmma post-norm cannot split a {bn}-column slice into warpgroup tiles (a multiple of 16 up to 256 each)")
-    staged = staging(spec, WgmmaConfig(64, bn, 2, 32, wg_n)) if spec is not None else Staging()
+    smallest = WgmmaConfig(64, bn, 2, 32, wg_n)  # staged where the tiles fit beside the smallest ring
+    staged = staging(spec, smallest) if spec is not None else Staging()
     for bk, least in ((64, 3), (32, 3), (32, 2)):
-        stages = min(4, (SMEM_LIMIT - staged.smem_bytes(WgmmaConfig(64, bn))) // ((64 + bn) * bk * 2))
+        stages = min(4, (SMEM_LIMIT - staged.smem_bytes(smallest)) // ((64 + bn) * bk * 2))
         if k is not None:
             stages = min(stages, max(2, k // bk))
         if stages >= min(least, max(2, k // bk) if k is not None else least):
@@ -232,11 +233,11 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
     if stg.store:
         maps["out"] = tensor_map(m, n, 64, BOX_COLS, spec.out_dtype)
 
-    def staged(R, r, row, col):
-        """Element ``(row, col)`` of the CTA's ``64 x slice_n`` tile in region ``r`` of ``R``
-        (``[regions, boxes, 64, 64]``, TMA's 128-byte swizzle: 16-byte chunk ``c`` of row ``r``
-        at ``c ^ r % 8``)."""
-        return R[r, col // BOX_COLS, row, (col % BOX_COLS // 8 ^ row % 8) * 8 + col % 8]
+    def swizzled(row, col):
+        """Where element ``(row, col)`` of the CTA's ``64 x slice_n`` tile lies in a region of
+        ``R`` (``[boxes, 64, 64]``, TMA's 128-byte swizzle: 16-byte chunk ``c`` of row ``r`` at
+        ``c ^ r % 8``)."""
+        return col // BOX_COLS, row, (col % BOX_COLS // 8 ^ row % 8) * 8 + col % 8
 
     region = {j: r for r, j in enumerate(stg.tiles)}  # staged operand -> its region of R
 
@@ -248,7 +249,7 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
             if step.op == "add":
                 j = step.operand
                 buf, tile = (p0, p1)[j], spec.operands[j][1]
-                val = staged(R, region[j], lrow, lcol) if j in region else buf[row, col] if tile else buf[col]
+                val = R[(region[j], *swizzled(lrow, lcol))] if j in region else buf[row, col] if tile else buf[col]
                 v = v + T.cast(val, "float32")
             if step.dtype != "float32":
                 v = T.cast(T.cast(v, step.dtype), "float32")
@@ -263,7 +264,8 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
     @T.macro
     def store(out, out2, R, row, col, lrow, lcol, y):
         if stg.store:  # in place of the first staged tile: each element is one thread's
-            R[0, lcol // BOX_COLS, lrow, (lcol % BOX_COLS // 8 ^ lrow % 8) * 8 + lcol % 8] = T.cast(y, spec.out_dtype)
+            box, srow, scol = T.meta_var(swizzled(lrow, lcol))
+            R[0, box, srow, scol] = T.cast(y, spec.out_dtype)
         else:
             out[row, col] = T.cast(y, spec.out_dtype)
         if out2 is not None:
