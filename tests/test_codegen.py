@@ -377,14 +377,14 @@ def test_wgmma_postnorm_is_one_kernel_on_wgmma(N, K, norm):
     from tvm_comfuse.schedule import wgmma_mainloop as wm, wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
 
     spec = wp.PostNorm.suite("float16", norm)
+    cfg = wp.default_config(N, 4096, K, spec)
     for stage in (None, False):
         source = codegen.cuda_source(wm.build(wp.wgmma_postnorm(4096, N, K, spec, stage=stage)))
         assert len(codegen.kernel_names(source)) == 1
         ptx = codegen.compile_with_nvcc(source, "sm_90a", fmt="ptx").decode()
-        assert f"wgmma.mma_async.sync.aligned.m64n{wp.default_config(N, 4096, K, spec).wg_cols}k16.f32.f16.f16" in ptx
+        assert f"wgmma.mma_async.sync.aligned.m64n{cfg.wg_cols}k16.f32.f16.f16" in ptx
         stores = re.findall(r"st\.global\S*", ptx)
         assert all(re.fullmatch(r"st\.global(\.v[24])?\.[ub]16", st) for st in stores), set(stores)  # fp16 only
-        cfg = wp.default_config(N, 4096, K, spec)
         staged = wp.staging(spec, cfg, stage)
         assert staged == (wp.Staging((1,), True) if stage is None and cfg.bn % 64 == 0 else wp.Staging())
         # staged: no global store left, one TMA store per 64-column box of the CTA's slice

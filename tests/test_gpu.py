@@ -211,7 +211,8 @@ def test_gpu_wgmma_mainloop_matches_torch(M, N, K, dtype, cfg):
     (4096, 768, 768, "float16", "layer_norm", None, None), (4096, 768, 768, "float16", "layer_norm", None, False),
     (4096, 768, 768, "float16", "layer_norm", (64, 192, 4, 64, 1), None), (16384, 1024, 256, "float16", "layer_norm", None, None),
     (192, 768, 3072, "float16", "layer_norm", None, None), (128, 512, 256, "bfloat16", "layer_norm", None, None),
-    (4096, 256, 128, "float16", "rms_norm", None, None), (256, 256, 128, "float16", "rms_norm", None, None), (128, 512, 128, "float16", "layer_norm", (64, 512, 2, 32, 2), None),
+    (4096, 256, 128, "float16", "rms_norm", None, None), (256, 256, 128, "float16", "rms_norm", None, None),
+    (128, 512, 128, "float16", "layer_norm", (64, 512, 2, 32, 2), None),
 ])
 def test_gpu_wgmma_postnorm_matches_torch(M, N, K, dtype, norm, cfg, stage):
     """The fused Hopper post-norm (warp-specialised wgmma mainloop + register row epilogue, rows

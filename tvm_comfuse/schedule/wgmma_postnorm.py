@@ -18,8 +18,9 @@ over the fewest CTAs that fill the SMs (2 x 384 columns for BERT-base).
 (the default on sm_90). The epilogue runs in the consumer warpgroups of the warp-specialised
 mainloop, their barriers named (the producer warpgroup leaves once its loads are issued). The
 epilogue's tiles move by TMA where they fit (:class:`Staging`): the residual is loaded into
-shared memory while the K loop runs and the output leaves by TMA stores, which took the kernel from 18.4 to 14.0 us at 4096x768x768 and from 78.2 to 53.9 at
-16384x256x1024 on the H200 (session 9, ``notebooks/results/session9-h200-2026-12-04/``).
+shared memory while the K loop runs and the output leaves by TMA stores, which took the kernel
+from 18.4 to 14.0 us at 4096x768x768 and from 78.2 to 53.9 at 16384x256x1024 on the H200
+(session 9, ``notebooks/results/session9-h200-2026-12-04/``).
 """
 
 from __future__ import annotations
@@ -151,7 +152,8 @@ def staging(spec: PostNorm, cfg: WgmmaConfig, stage: bool | None = None) -> Stag
     or None where it also fits shared memory beside the ring), or nothing (False)."""
     if stage is False or cfg.bn % BOX_COLS:
         return Staging()
-    full = Staging(tuple(j for j, (d, tile) in enumerate(spec.operands) if tile and d == spec.dtype), spec.out_dtype == spec.dtype)
+    tiles = tuple(j for j, (d, tile) in enumerate(spec.operands) if tile and d == spec.dtype)
+    full = Staging(tiles, spec.out_dtype == spec.dtype)
     return full if stage or cfg.smem_bytes + full.smem_bytes(cfg) <= SMEM_LIMIT else Staging()
 
 

@@ -16,6 +16,12 @@ most of the gap to torch.compile (43); N = 768 shapes 10-20% faster; the K = 409
 unchanged within 5% (the epilogue is a small part there), unless two stages starve the ring,
 which the bk 32 variant (4 stages, the same bytes in flight) would show.
 
+Outcome (H200, session 9, ``../session9-h200-2026-12-04/epilogue-staging.json``): correct
+everywhere; 78.2 -> 53.9 us at 16384x256x1024, 18.4 -> 14.0 at 4096x768x768 (now faster than
+torch.compile's 14.9), 39.5 -> 33.7 at 4096x3072x768; at K = 4096 two 64-deep stages starved
+the ring (+39%, +19%) while four 32-deep ones were as fast or faster than unstaged, so the
+default now keeps three stages at least (NOTES, session 9).
+
 Same inputs for every contender, correctness checked before timing; ``kernel_us`` is the
 profiler's device time per call. Run on the GPU:
 ``bash .ci/gpu-run notebooks/results/experiments/epilogue_staging.py`` (writes
@@ -58,8 +64,8 @@ def main():
         line = f"{m}x{k}x{n}:"
         for name, fn in [("cublas_gemm_alone", lambda: torch.matmul(x, w.T)), ("eager", eager),  # noqa: B023
                          ("inductor", lambda: compiled(x))]:  # noqa: B023
-            out = fn()
-            rows.append(timed(dict(base, contender=name, max_abs_err=float((out.float() - ref).abs().max()) if name != "cublas_gemm_alone" else None), fn))
+            err = None if name == "cublas_gemm_alone" else float((fn().float() - ref).abs().max())
+            rows.append(timed(dict(base, contender=name, max_abs_err=err), fn))
             line += f" {name} {rows[-1]['kernel_us']:.1f}"
         print(line + " us device", flush=True)
         for name, cfg, stage in variants(m, k, n, spec):
