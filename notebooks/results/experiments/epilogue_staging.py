@@ -32,7 +32,7 @@ import json
 import os
 
 import torch
-from wgmma_gemm import measure, timed  # the same directory: sys.path[0] when run as a script
+from wgmma_gemm import measure, postnorm_inputs, timed  # the same directory: sys.path[0] when run as a script
 
 from tvm_comfuse import bench
 from tvm_comfuse.schedule.wgmma_mainloop import SMEM_LIMIT, WgmmaConfig
@@ -55,11 +55,8 @@ def main():
     rows, gen, f = [], torch.Generator(device="cuda").manual_seed(9), torch.nn.functional
     for m, k, n in SHAPES:
         spec = PostNorm.suite("float16", "layer_norm")
-        rnd = lambda *s: torch.randn(*s, device="cuda", dtype=torch.float16, generator=gen)  # noqa: E731
-        x, w, b, r, g, be = rnd(m, k), rnd(n, k) / k**0.5, rnd(n), rnd(m, n), rnd(n), rnd(n)
-        ref = f.layer_norm(x.float() @ w.float().T + b.float() + r.float(), (n,), g.float(), be.float())
+        (x, w, b, r, g, be), ref, eager = postnorm_inputs(m, k, n, gen)
         base = dict(M=m, K=k, N=n, dtype="float16", op="layer_norm")
-        eager = lambda: f.layer_norm(torch.matmul(x, w.T) + b + r, (n,), g, be)  # noqa: E731
         compiled = torch.compile(lambda a: f.layer_norm(f.linear(a, w, b) + r, (n,), g, be), dynamic=False)  # noqa: B023
         line = f"{m}x{k}x{n}:"
         for name, fn in [("cublas_gemm_alone", lambda: torch.matmul(x, w.T)), ("eager", eager),  # noqa: B023

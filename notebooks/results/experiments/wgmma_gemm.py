@@ -103,16 +103,23 @@ def main():
                    "kernel_us: profiler device time per call", "rows": rows}, f, indent=1)
 
 
+def postnorm_inputs(m, k, n, gen):
+    """fp16 ``[x, w, b, r, gamma, beta]`` of ``LayerNorm(x @ w.T + b + r)`` from ``gen``, its fp32
+    reference, and eager PyTorch on them."""
+    f = torch.nn.functional
+    rnd = lambda *s: torch.randn(*s, device="cuda", dtype=torch.float16, generator=gen)  # noqa: E731
+    x, w, b, r, g, be = rnd(m, k), rnd(n, k) / k**0.5, rnd(n), rnd(m, n), rnd(n), rnd(n)
+    ref = f.layer_norm(x.float() @ w.float().T + b.float() + r.float(), (n,), g.float(), be.float())
+    return [x, w, b, r, g, be], ref, lambda: f.layer_norm(torch.matmul(x, w.T) + b + r, (n,), g, be)
+
+
 def postnorm():
     """LayerNorm(x @ w.T + b + r) on the suite shapes: the fused wgmma kernel (default and
     alternative configurations) against cuBLAS's GEMM alone and eager PyTorch."""
-    rows, gen, f = [], torch.Generator(device="cuda").manual_seed(1), torch.nn.functional
+    rows, gen = [], torch.Generator(device="cuda").manual_seed(1)
     for m, k, n in [(4096, 768, 768), (4096, 3072, 768), (4096, 4096, 1024), (16384, 256, 1024), (8192, 4096, 4096)]:
-        rnd = lambda *s: torch.randn(*s, device="cuda", dtype=torch.float16, generator=gen)  # noqa: E731
-        x, w, b, r, g, be = rnd(m, k), rnd(n, k) / k**0.5, rnd(n), rnd(m, n), rnd(n), rnd(n)
-        ref = f.layer_norm(x.float() @ w.float().T + b.float() + r.float(), (n,), g.float(), be.float())
+        (x, w, b, r, g, be), ref, eager = postnorm_inputs(m, k, n, gen)
         base = dict(M=m, K=k, N=n, dtype="float16", op="layer_norm")
-        eager = lambda: f.layer_norm(torch.matmul(x, w.T) + b + r, (n,), g, be)  # noqa: E731
         for name, fn in [("cublas_gemm_alone", lambda: torch.matmul(x, w.T)), ("eager", eager)]:  # noqa: B023
             rows.append(timed(dict(base, contender=name), fn))
             print(f"{m}x{k}x{n} layer_norm {name}: {rows[-1]['kernel_us']:.1f} us device", flush=True)
