@@ -387,9 +387,9 @@ def test_wgmma_postnorm_is_one_kernel_on_wgmma(N, K, norm):
         assert all(re.fullmatch(r"st\.global(\.v[24])?\.[ub]16", st) for st in stores), set(stores)  # fp16 only
         staged = wp.staging(spec, cfg, stage)
         assert staged == (wp.Staging((1,), True) if stage is None and cfg.bn % 64 == 0 else wp.Staging())
-        # staged: no global store left, one TMA store per 64-column box of the CTA's slice
+        # staged: no global store left, one TMA store per 64 x 64 box of the CTA's tile
         assert (len(stores) == 0, ptx.count("cp.async.bulk.tensor.2d.global.shared::cta")) == \
-            ((True, cfg.bn // 64) if staged.store else (False, 0))
+            ((True, cfg.bm // 64 * cfg.bn // 64) if staged.store else (False, 0))
         assert codegen.compile_with_nvcc(source, "sm_90a")[:4] == b"\x7fELF"
 
 

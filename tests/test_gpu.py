@@ -213,11 +213,13 @@ def test_gpu_wgmma_mainloop_matches_torch(M, N, K, dtype, cfg):
     (192, 768, 3072, "float16", "layer_norm", None, None), (128, 512, 256, "bfloat16", "layer_norm", None, None),
     (4096, 256, 128, "float16", "rms_norm", None, None), (256, 256, 128, "float16", "rms_norm", None, None),
     (128, 512, 128, "float16", "layer_norm", (64, 512, 2, 32, 2), None),
+    (4096, 768, 768, "float16", "layer_norm", (128, 192, 4, 64, 1), False), (4096, 1024, 4096, "float16", "layer_norm", (128, 256, 6, 32, 1), None),
+    (128, 1024, 256, "bfloat16", "rms_norm", (128, 256, 3, 64, 1), None), (256, 512, 64, "float16", "layer_norm", (128, 128, 2, 64, 1), None),
 ])
 def test_gpu_wgmma_postnorm_matches_torch(M, N, K, dtype, norm, cfg, stage):
-    """The fused Hopper post-norm (warp-specialised wgmma mainloop + register row epilogue, rows
-    sliced over a cluster or whole in one CTA, 64- or 128-byte swizzle, residual and output
-    through shared memory by TMA or not) against PyTorch in fp32."""
+    """The fused Hopper post-norm (warp-specialised wgmma mainloop + register row epilogue, 64 or
+    128 rows a CTA, rows sliced over a cluster or whole in one CTA, 64- or 128-byte swizzle,
+    residual and output through shared memory by TMA or not) against PyTorch in fp32."""
     import tvm  # pylint: disable=import-outside-toplevel
 
     from tvm_comfuse.schedule import wgmma_mainloop as wm, wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel

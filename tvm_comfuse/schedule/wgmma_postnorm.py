@@ -1,8 +1,9 @@
 """Hopper fused post-norm (issue 8, step 2): ``norm(x @ w.T + b + r)`` on the wgmma mainloop.
 
-ComFuse's row epilogue on :mod:`.wgmma_mainloop`'s accumulators. A CTA owns 64 rows of a
-column slice of ``bn`` columns, split over ``wg_n`` warpgroups (``bn / wg_n <= 256``, wgmma's
-N); the ``N / bn`` CTAs of a thread-block cluster own the whole row, so the GEMM result never
+ComFuse's row epilogue on :mod:`.wgmma_mainloop`'s accumulators. A CTA owns ``bm`` rows (64
+or 128: one or two row warpgroups) of a column slice of ``bn`` columns, split over ``wg_n``
+warpgroups (``bn / wg_n <= 256``, wgmma's N); the ``N / bn`` CTAs of a thread-block cluster own
+the whole row, so the GEMM result never
 leaves the chip: the elementwise chain (casts, bias and residual adds, as the graph rounds them:
 :class:`PostNorm`) runs on the fp32 accumulators in registers, each thread sums its share of
 its two rows, the partial sums meet in shared memory (4 quad lanes x ``wg_n`` warpgroups per
@@ -11,9 +12,11 @@ row) and then across the cluster through distributed shared memory (``mapa`` +
 LayerNorm takes two passes over the registers (mean, then the centred variance: no
 cancellation), RMSNorm one.
 
-Why slices: a CTA holds at most :data:`MAX_ROW` columns of its 64 rows in registers, and
-whole-row CTAs at M = 4096 would be only 64 for 132 SMs. :func:`default_config` slices rows
-over the fewest CTAs that fill the SMs (2 x 384 columns for BERT-base).
+Why slices: a CTA holds at most :data:`MAX_ROW` columns of 64 rows in registers (half as many
+of 128), and whole-row CTAs at M = 4096 would be only 64 for 132 SMs. :func:`default_config`
+slices rows over the fewest CTAs that fill the SMs. Why 128 rows where they fit: every K step
+brings a ``bn``-row slice of W into shared memory for ``bm`` rows of output, so 128 x 256 tiles
+(cuBLAS's shape) read W from L2 half as often per output as 64 x 512 ones.
 :class:`~tvm_comfuse.transform.OffloadHopperPostNorm` puts the kernel in the Relax pipeline
 (the default on sm_90). The epilogue runs in the consumer warpgroups of the warp-specialised
 mainloop, their barriers named (the producer warpgroup leaves once its loads are issued). The
@@ -35,10 +38,13 @@ from ..errors import ComFuseError
 from .wgmma_mainloop import SMEM_LIMIT, TMA_LOAD, Ring, WgmmaConfig, box_rows, consumer_sync, fragment, mainloop, roles, tensor_map
 
 NORMS = ("layer_norm", "rms_norm")
-#: Widest row slice a 64-row CTA holds in registers: two consumer warpgroups of 256 columns
-#: (a third would leave each of the three under the 154 registers ptxas needs for a 256-wide
-#: wgmma, once the producer warpgroup has its 40).
-MAX_ROW = 512
+#: Consumer warpgroups a CTA holds (a third would leave each of the three under the 154
+#: registers ptxas needs for a 256-wide wgmma, once the producer warpgroup has its 40).
+MAX_CONSUMERS = 2
+#: Widest row slice a 64-row CTA holds in registers: two consumer warpgroups of 256 columns.
+MAX_ROW = MAX_CONSUMERS * 256
+#: Rows a CTA may own, in order of preference (:func:`default_config`).
+ROW_TILES = (128, 64)
 #: CTAs a row may be sliced over (a thread-block cluster; 8 is the portable maximum).
 CLUSTER_SIZES = (1, 2, 4, 8)
 #: SMs of the sm_90 parts ComFuse targets (H100 SXM, H200): what ``default_config`` fills.
@@ -144,7 +150,7 @@ class Staging:
         return max(len(self.tiles), int(self.store))
 
     def smem_bytes(self, cfg: WgmmaConfig) -> int:
-        return self.regions * 64 * cfg.bn * 2
+        return self.regions * cfg.bm * cfg.bn * 2
 
 
 def staging(spec: PostNorm, cfg: WgmmaConfig, stage: bool | None = None) -> Staging:
@@ -157,33 +163,41 @@ def staging(spec: PostNorm, cfg: WgmmaConfig, stage: bool | None = None) -> Stag
     return full if stage or cfg.smem_bytes + full.smem_bytes(cfg) <= SMEM_LIMIT else Staging()
 
 
-def default_config(n: int, m: int | None = None, k: int | None = None, spec: PostNorm | None = None) -> WgmmaConfig:
-    """A CTA owns 64 rows of a ``bn``-column slice of the row, ``n / bn`` CTAs of a cluster
-    the whole row: the fewest slices whose accumulators fit one CTA's registers and, given
-    ``m``, whose CTAs fill the SMs; in a slice the fewest warpgroups with wgmma N <= 256, and
-    the deepest ring (up to 4 stages, no deeper than ``k``'s K steps) that fits shared memory
-    beside the staged epilogue tiles of ``spec`` (given): ``bk`` 64 where three stages fit,
-    else 32. Three, because a consumer holds two slots (the step it issues and the one in
+def default_config(n: int, m: int | None = None, k: int | None = None, spec: PostNorm | None = None,
+                   bm: int | None = None) -> WgmmaConfig:
+    """A CTA owns ``bm`` rows (the first of :data:`ROW_TILES` that divides ``m`` and fills the
+    SMs, unless given; 64 without ``m``) of a ``bn``-column slice of the row, ``n / bn`` CTAs of
+    a cluster the whole row: the fewest slices whose accumulators fit one CTA's registers and,
+    given ``m``, whose CTAs fill the SMs; in a slice the fewest warpgroups with wgmma N <= 256,
+    and the deepest ring (up to 4 stages, no deeper than ``k``'s K steps) that fits shared
+    memory beside the staged epilogue tiles of ``spec`` (given): ``bk`` 64 where three stages
+    fit, else 32. Three, because a consumer holds two slots (the step it issues and the one in
     flight): with two the producer cannot load ahead, and on the H200 (session 9) the staged
     N = 1024 kernel took 85.8 us with two 64-deep stages against 61.4 with four 32-deep."""
-    ranks = [r for r in CLUSTER_SIZES if n % r == 0 and (n // r) % 16 == 0 and n // r <= MAX_ROW]
+    tiles = (bm,) if bm else tuple(t for t in ROW_TILES if m is not None and m % t == 0) or (64,)
+    choices = []  # (bm, ranks that fit its registers, those that also fill the SMs)
+    for rows in tiles:
+        widest = MAX_ROW * 64 // rows
+        ranks = [r for r in CLUSTER_SIZES if n % r == 0 and (n // r) % 16 == 0 and n // r <= widest]
+        choices.append((rows, ranks, [r for r in ranks if m is None or m // rows * r >= 0.9 * SM_COUNT]))
+    rows, ranks = next(((b, f) for b, _, f in choices if f), (choices[-1][0], choices[-1][1][-1:]))
     if not ranks:
-        raise ComFuseError(f"wgmma post-norm cannot slice N = {n} over at most {CLUSTER_SIZES[-1]} CTAs of {MAX_ROW} columns")
-    if m is not None:
-        ranks = [r for r in ranks if m // 64 * r >= 0.9 * SM_COUNT] or ranks[-1:]
+        raise ComFuseError(f"wgmma post-norm cannot slice N = {n} over at most {CLUSTER_SIZES[-1]} CTAs of "
+                           f"{MAX_ROW * 64 // rows} columns")
     bn = n // ranks[0]
-    wg_n = next((w for w in range(1, 9) if bn % w == 0 and (bn // w) % 16 == 0 and bn // w <= 256), None)
+    wg_n = next((w for w in range(1, 9) if bn % w == 0 and (bn // w) % 16 == 0 and bn // w <= 256 and rows // 64 * w <= MAX_CONSUMERS),
+                None)
     if wg_n is None:
         raise ComFuseError(f"wgmma post-norm cannot split a {bn}-column slice into warpgroup tiles (a multiple of 16 up to 256 each)")
-    smallest = WgmmaConfig(64, bn, 2, 32, wg_n)  # staged where the tiles fit beside the smallest ring
+    smallest = WgmmaConfig(rows, bn, 2, 32, wg_n)  # staged where the tiles fit beside the smallest ring
     staged = staging(spec, smallest) if spec is not None else Staging()
     for bk, least in ((64, 3), (32, 3), (32, 2)):
-        stages = min(4, (SMEM_LIMIT - staged.smem_bytes(smallest)) // ((64 + bn) * bk * 2))
+        stages = min(4, (SMEM_LIMIT - staged.smem_bytes(smallest)) // ((rows + bn) * bk * 2))
         if k is not None:
             stages = min(stages, max(2, k // bk))
         if stages >= min(least, max(2, k // bk) if k is not None else least):
-            return WgmmaConfig(bm=64, bn=bn, stages=stages, bk=bk, wg_n=wg_n)
-    raise ComFuseError(f"wgmma post-norm: a 64 x {bn} tile does not fit shared memory twice over")
+            return WgmmaConfig(bm=rows, bn=bn, stages=stages, bk=bk, wg_n=wg_n)
+    raise ComFuseError(f"wgmma post-norm: a {rows} x {bn} tile does not fit shared memory twice over")
 
 
 def problems(m, n, k, spec: PostNorm, cfg: WgmmaConfig | None = None, stage: bool | None = None) -> list:
@@ -195,8 +209,9 @@ def problems(m, n, k, spec: PostNorm, cfg: WgmmaConfig | None = None, stage: boo
         cfg = cfg or default_config(n, m, k, spec)
     except ComFuseError as err:
         return found + [str(err)]
-    if cfg.bm != 64 or n % cfg.bn or n // cfg.bn not in CLUSTER_SIZES or cfg.bn > MAX_ROW:
-        found.append(f"{cfg} (a CTA owns 64 rows of an N / {list(CLUSTER_SIZES)} slice of at most {MAX_ROW} columns)")
+    if cfg.consumers > MAX_CONSUMERS or n % cfg.bn or n // cfg.bn not in CLUSTER_SIZES:
+        found.append(f"{cfg} (a CTA owns 64 rows of an N / {list(CLUSTER_SIZES)} slice of at most {MAX_ROW} columns, "
+                     f"or 128 rows of at most {MAX_ROW // 2})")
     if stage and cfg.bn % BOX_COLS:
         found.append(f"staged epilogue tiles with bn = {cfg.bn} (whole {BOX_COLS}-column boxes)")
     elif cfg.smem_bytes + staging(spec, cfg, stage).smem_bytes(cfg) > SMEM_LIMIT:
@@ -217,9 +232,9 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
         raise ComFuseError("wgmma post-norm cannot take " + "; ".join(found))
     cfg = cfg or default_config(n, m, k, spec)
     acc_n, wg_cols, parts, rms = cfg.wg_cols // 2, cfg.wg_cols, 4 * cfg.wg_n, spec.norm == "rms_norm"
-    slice_n, ranks = cfg.bn, n // cfg.bn
+    bm, wg_m, wg_n, slice_n, ranks = cfg.bm, cfg.bm // 64, cfg.wg_n, cfg.bn, n // cfg.bn
     stg, boxes = staging(spec, cfg, stage), cfg.bn // BOX_COLS
-    ring_elems, tile_bytes = cfg.stages * (64 + slice_n) * cfg.bk, 64 * slice_n * 2
+    ring_elems, tile_bytes = cfg.stages * (bm + slice_n) * cfg.bk, bm * slice_n * 2
     produce, consume = mainloop(cfg, k, spec.dtype)
     init = Ring(cfg.stages, cfg.consumers).init()
     producer, consumer = roles(cfg)
@@ -230,16 +245,16 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
     shape = [(*lead, n) if tile else (n,) for _, tile in spec.operands]
     shape2 = [(m, n) if tile else (n,) for _, tile in spec.operands]
     # tensor maps: the GEMM's operands in the ring's boxes, the staged tiles in 64 x 64 boxes
-    maps = {"x": tensor_map(m, k, 64, cfg.bk, spec.dtype), "w": tensor_map(n, k, box_rows(slice_n), cfg.bk, spec.dtype)}
+    maps = {"x": tensor_map(m, k, box_rows(bm), cfg.bk, spec.dtype), "w": tensor_map(n, k, box_rows(slice_n), cfg.bk, spec.dtype)}
     maps.update({f"p{j}": tensor_map(m, n, 64, BOX_COLS, spec.operands[j][0]) for j in stg.tiles})
     if stg.store:
         maps["out"] = tensor_map(m, n, 64, BOX_COLS, spec.out_dtype)
 
     def swizzled(row, col):
-        """Where element ``(row, col)`` of the CTA's ``64 x slice_n`` tile lies in a region of
-        ``R`` (``[boxes, 64, 64]``, TMA's 128-byte swizzle: 16-byte chunk ``c`` of row ``r`` at
-        ``c ^ r % 8``)."""
-        return col // BOX_COLS, row, (col % BOX_COLS // 8 ^ row % 8) * 8 + col % 8
+        """Where element ``(row, col)`` of the CTA's ``bm x slice_n`` tile lies in a region of
+        ``R`` (``[bm / 64, boxes, 64, 64]``, TMA's 128-byte swizzle: 16-byte chunk ``c`` of row
+        ``r`` at ``c ^ r % 8``)."""
+        return row // 64, col // BOX_COLS, row % 64, (col % BOX_COLS // 8 ^ row % 8) * 8 + col % 8
 
     region = {j: r for r, j in enumerate(stg.tiles)}  # staged operand -> its region of R
 
@@ -266,8 +281,8 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
     @T.macro
     def store(out, out2, R, row, col, lrow, lcol, y):
         if stg.store:  # in place of the first staged tile: each element is one thread's
-            box, srow, scol = T.meta_var(swizzled(lrow, lcol))
-            R[0, box, srow, scol] = T.cast(y, spec.out_dtype)
+            half, box, srow, scol = T.meta_var(swizzled(lrow, lcol))
+            R[0, half, box, srow, scol] = T.cast(y, spec.out_dtype)
         else:
             out[row, col] = T.cast(y, spec.out_dtype)
         if out2 is not None:
@@ -275,8 +290,10 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
 
     @T.macro
     def load_tile(t_map, R, r, rfull, bx, rk):
-        for b in T.unroll(boxes):
-            T.ptx[TMA_LOAD](R.ptr_to([r, b, 0, 0]), T.address_of(t_map), rk * slice_n + b * BOX_COLS, bx * 64, rfull.ptr_to([0]))
+        for h in T.unroll(wg_m):
+            for b in T.unroll(boxes):
+                T.ptx[TMA_LOAD](R.ptr_to([r, h, b, 0, 0]), T.address_of(t_map), rk * slice_n + b * BOX_COLS, bx * bm + h * 64,
+                                rfull.ptr_to([0]))
 
     @T.macro
     def stage_in(t0_map, t1_map, R, rfull, bx, rk):
@@ -294,8 +311,9 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
         T.ptx["fence.proxy.async.shared::cta"]()
         sync()
         if tx == 0:
-            for b in T.unroll(boxes):
-                T.ptx[TMA_STORE](T.address_of(out_map), rk * slice_n + b * BOX_COLS, bx * 64, R.ptr_to([0, b, 0, 0]))
+            for h in T.unroll(wg_m):
+                for b in T.unroll(boxes):
+                    T.ptx[TMA_STORE](T.address_of(out_map), rk * slice_n + b * BOX_COLS, bx * bm + h * 64, R.ptr_to([0, h, b, 0, 0]))
             T.ptx["cp.async.bulk.commit_group"]()
             T.ptx["cp.async.bulk.wait_group.read"](0)  # the CTA's shared memory outlives the reads
 
@@ -303,18 +321,18 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
     @T.macro
     def row_total(part, rowpart, peer, got, tx, s, stat, p, col):
         """``stat[h, col]`` = the sum over the whole row ``r0 + 8h`` of what the threads hold in
-        ``s[h]``: across quad lanes and warpgroups through ``part``, across the cluster's CTAs
-        (the row's column slices) through distributed shared memory."""
-        r0 = T.meta_var(fragment(tx, 0)[0])
+        ``s[h]``: across quad lanes and the row's warpgroups through ``part``, across the
+        cluster's CTAs (the row's column slices) through distributed shared memory."""
+        r0 = T.meta_var(tx // 128 // wg_n * 64 + fragment(tx, 0)[0])  # in the CTA's tile
         for h in T.unroll(2):
-            part[p, r0 + 8 * h, tx // 128 * 4 + tx % 4] = s[h]
+            part[p, r0 + 8 * h, tx // 128 % wg_n * 4 + tx % 4] = s[h]
         sync()
         for h in T.unroll(2):
             stat[h, col] = T.float32(0)
             for j in T.unroll(parts):
                 stat[h, col] = stat[h, col] + part[p, r0 + 8 * h, j]
         if ranks > 1:
-            if tx < 128 and tx % 4 == 0:  # one writer per row: warpgroup 0's quad leaders
+            if tx // 128 % wg_n == 0 and tx % 4 == 0:  # one writer per row: quad leaders of its first warpgroup
                 for h in T.unroll(2):
                     rowpart[p, r0 + 8 * h] = stat[h, col]
             T.cuda.cluster_sync()
@@ -329,13 +347,14 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
     def epilogue(P0, P1, gamma, beta, out, out2, out_map, R, rfull, acc, tx, bx, rk):
         """The chain and the norm on the accumulators of consumer thread ``tx``, rows of CTA
         ``bx``, columns of its slice ``rk``."""
-        part = T.alloc_shared([2, 64, parts], "float32")  # per row: 4 quad lanes x wg_n warpgroups
-        rowpart = T.alloc_shared([2, 64], "float32")  # per row: this CTA's slice, read by the cluster
+        part = T.alloc_shared([2, bm, parts], "float32")  # per row: 4 quad lanes x wg_n warpgroups
+        rowpart = T.alloc_shared([2, bm], "float32")  # per row: this CTA's slice, read by the cluster
         s = T.alloc_local([2], "float32")  # this thread's partial sums of its rows r0 and r0 + 8
         stat = T.alloc_local([2, 2], "float32")  # [row half, mean / rstd]
         peer = T.alloc_local([1], "uint32")
         got = T.alloc_local([1], "float32")
-        l0 = T.meta_var(tx // 128 * wg_cols)  # the warpgroup's first column in the slice
+        l0 = T.meta_var(tx // 128 % wg_n * wg_cols)  # the warpgroup's first column in the slice
+        lr = T.meta_var(tx // 128 // wg_n * 64)  # and its first row in the CTA's tile
         c0 = T.meta_var(rk * slice_n + l0)
         for h in T.unroll(2):
             s[h] = T.float32(0)
@@ -345,7 +364,7 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
         for q in T.unroll(acc_n // 2):
             for j in T.vectorized(2):
                 row, col = T.meta_var(fragment(tx, 2 * q + j))
-                acc[2 * q + j] = chain(acc[2 * q + j], P0, P1, R, bx * 64 + row, c0 + col, row, l0 + col)
+                acc[2 * q + j] = chain(acc[2 * q + j], P0, P1, R, bx * bm + lr + row, c0 + col, lr + row, l0 + col)
         for i in T.unroll(acc_n):
             s[i // 2 % 2] = s[i // 2 % 2] + square(acc[i])
         row_total(part, rowpart, peer, got, tx, s, stat, 0, 0)
@@ -367,7 +386,7 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
             for j in T.vectorized(2):
                 row, col = T.meta_var(fragment(tx, 2 * q + j))
                 y = T.meta_var((acc[2 * q + j] - stat[q % 2, 0]) * stat[q % 2, 1] * T.cast(gamma[c0 + col], "float32"))
-                store(out, out2, R, bx * 64 + row, c0 + col, row, l0 + col, shift(y, beta, c0 + col))
+                store(out, out2, R, bx * bm + lr + row, c0 + col, lr + row, l0 + col, shift(y, beta, c0 + col))
         if stg.store:
             stage_out(out_map, R, tx, bx, rk)
         if ranks > 1:
@@ -376,18 +395,18 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
     @T.macro
     def body(x_map, w_map, t0_map, t1_map, out_map, P0, P1, gamma, beta, out, out2):
         if ranks > 1:
-            bx = T.cluster_id([m // 64])
+            bx = T.cluster_id([m // bm])
             rk = T.cta_id_in_cluster([ranks])
         else:
-            bx = T.cta_id([m // 64])
+            bx = T.cta_id([m // bm])
             rk = 0
         wg = T.warpgroup_id([cfg.consumers + 1])
         tw = T.thread_id_in_wg([128])
         # one dynamic buffer (tirx allows one): the ring, then the staged regions (1 KiB aligned)
-        flat = T.alloc_shared([ring_elems + stg.regions * 64 * slice_n], spec.dtype, scope="shared.dyn", align=1024)
-        S = T.decl_buffer([cfg.stages, 64 + slice_n, cfg.bk], spec.dtype, data=flat.data, scope="shared.dyn")
-        R = T.decl_buffer([max(1, stg.regions), max(1, boxes), 64, BOX_COLS], spec.dtype, data=flat.data, elem_offset=ring_elems,
-                          scope="shared.dyn")
+        flat = T.alloc_shared([ring_elems + stg.regions * bm * slice_n], spec.dtype, scope="shared.dyn", align=1024)
+        S = T.decl_buffer([cfg.stages, bm + slice_n, cfg.bk], spec.dtype, data=flat.data, scope="shared.dyn")
+        R = T.decl_buffer([max(1, stg.regions), wg_m, max(1, boxes), 64, BOX_COLS], spec.dtype, data=flat.data,
+                          elem_offset=ring_elems, scope="shared.dyn")
         full = T.alloc_shared([cfg.stages], "uint64", scope="shared", align=8)
         empty = T.alloc_shared([cfg.stages], "uint64", scope="shared", align=8)
         rfull = T.alloc_shared([1], "uint64", scope="shared", align=8)
@@ -402,7 +421,7 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
             if tw == 0:
                 if len(stg.tiles) > 0:
                     stage_in(t0_map, t1_map, R, rfull, bx, rk)
-                produce(x_map, w_map, S, full, empty, bx * 64, rk * slice_n)
+                produce(x_map, w_map, S, full, empty, bx * bm, rk * slice_n)
         else:
             consumer()
             consume(S, full, empty, acc, da, db, wg - 1, tw)
