@@ -3,8 +3,7 @@
 ComFuse's row epilogue on :mod:`.wgmma_mainloop`'s accumulators. A CTA owns ``bm`` rows (64
 or 128: one or two row warpgroups) of a column slice of ``bn`` columns, split over ``wg_n``
 warpgroups (``bn / wg_n <= 256``, wgmma's N); the ``N / bn`` CTAs of a thread-block cluster own
-the whole row, so the GEMM result never
-leaves the chip: the elementwise chain (casts, bias and residual adds, as the graph rounds them:
+the whole row, so the GEMM result never leaves the chip: the elementwise chain (casts, bias and residual adds, as the graph rounds them:
 :class:`PostNorm`) runs on the fp32 accumulators in registers, each thread sums its share of
 its two rows, the partial sums meet in shared memory (4 quad lanes x ``wg_n`` warpgroups per
 row) and then across the cluster through distributed shared memory (``mapa`` +
@@ -14,9 +13,11 @@ cancellation), RMSNorm one.
 
 Why slices: a CTA holds at most :data:`MAX_ROW` columns of 64 rows in registers (half as many
 of 128), and whole-row CTAs at M = 4096 would be only 64 for 132 SMs. :func:`default_config`
-slices rows over the fewest CTAs that fill the SMs. Why 128 rows where they fit: every K step
-brings a ``bn``-row slice of W into shared memory for ``bm`` rows of output, so 128 x 256 tiles
-(cuBLAS's shape) read W from L2 half as often per output as 64 x 512 ones.
+slices rows over the fewest CTAs that fill the SMs. Why 128 rows can pay: every K step brings
+a ``bn``-row slice of W into shared memory for ``bm`` rows of output, so 128 x 256 tiles
+(cuBLAS's shape) read W from L2 half as often per output as 64 x 512 ones. Why they are not the
+default: at N = 768 and 1024 they need four-CTA clusters, which ran in two waves on the H200
+(:data:`ROW_TILES`).
 :class:`~tvm_comfuse.transform.OffloadHopperPostNorm` puts the kernel in the Relax pipeline
 (the default on sm_90). The epilogue runs in the consumer warpgroups of the warp-specialised
 mainloop, their barriers named (the producer warpgroup leaves once its loads are issued). The
@@ -43,8 +44,12 @@ NORMS = ("layer_norm", "rms_norm")
 MAX_CONSUMERS = 2
 #: Widest row slice a 64-row CTA holds in registers: two consumer warpgroups of 256 columns.
 MAX_ROW = MAX_CONSUMERS * 256
-#: Rows a CTA may own, in order of preference (:func:`default_config`).
-ROW_TILES = (128, 64)
+#: Rows a CTA owns by default, in order of preference (:func:`default_config`). 128 (two row
+#: warpgroups: ``default_config(..., bm=128)``) is correct but measured slower on the H200
+#: (session 10, ``experiments/row_tiles.py``): at N = 768 and 1024 its rows need clusters of
+#: four 1-CTA-per-SM CTAs, which do not all fit the GPCs at once, so a second wave runs
+#: (ffn2 58.5 against 35.2 us, though its plain GEMM is faster: 30.8 against 35.1).
+ROW_TILES = (64,)
 #: CTAs a row may be sliced over (a thread-block cluster; 8 is the portable maximum).
 CLUSTER_SIZES = (1, 2, 4, 8)
 #: SMs of the sm_90 parts ComFuse targets (H100 SXM, H200): what ``default_config`` fills.
@@ -180,7 +185,8 @@ def default_config(n: int, m: int | None = None, k: int | None = None, spec: Pos
         widest = MAX_ROW * 64 // rows
         ranks = [r for r in CLUSTER_SIZES if n % r == 0 and (n // r) % 16 == 0 and n // r <= widest]
         choices.append((rows, ranks, [r for r in ranks if m is None or m // rows * r >= 0.9 * SM_COUNT]))
-    rows, ranks = next(((b, f) for b, _, f in choices if f), (choices[-1][0], choices[-1][1][-1:]))
+    smallest = min(choices)  # if no tile fills the SMs: the most CTAs
+    rows, ranks = next(((b, f) for b, _, f in choices if f), (smallest[0], smallest[1][-1:]))
     if not ranks:
         raise ComFuseError(f"wgmma post-norm cannot slice N = {n} over at most {CLUSTER_SIZES[-1]} CTAs of "
                            f"{MAX_ROW * 64 // rows} columns")
@@ -189,10 +195,10 @@ def default_config(n: int, m: int | None = None, k: int | None = None, spec: Pos
                 None)
     if wg_n is None:
         raise ComFuseError(f"wgmma post-norm cannot split a {bn}-column slice into warpgroup tiles (a multiple of 16 up to 256 each)")
-    smallest = WgmmaConfig(rows, bn, 2, 32, wg_n)  # staged where the tiles fit beside the smallest ring
-    staged = staging(spec, smallest) if spec is not None else Staging()
+    ring = WgmmaConfig(rows, bn, 2, 32, wg_n)  # staged where the tiles fit beside the smallest ring
+    staged = staging(spec, ring) if spec is not None else Staging()
     for bk, least in ((64, 3), (32, 3), (32, 2)):
-        stages = min(4, (SMEM_LIMIT - staged.smem_bytes(smallest)) // ((rows + bn) * bk * 2))
+        stages = min(4, (SMEM_LIMIT - staged.smem_bytes(ring)) // ((rows + bn) * bk * 2))
         if k is not None:
             stages = min(stages, max(2, k // bk))
         if stages >= min(least, max(2, k // bk) if k is not None else least):
@@ -257,6 +263,15 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
         return row // 64, col // BOX_COLS, row % 64, (col % BOX_COLS // 8 ^ row % 8) * 8 + col % 8
 
     region = {j: r for r, j in enumerate(stg.tiles)}  # staged operand -> its region of R
+
+    def column_part(tx):  # which of the row's wg_n column warpgroups consumer thread tx is in
+        return tx // 128 % wg_n if wg_m > 1 else tx // 128
+
+    def leads_rows(tx):  # whether it is in its rows' first column warpgroup
+        return tx // 128 % wg_n == 0 if wg_m > 1 else tx < 128
+
+    def first_row(tx):  # the first row of its warpgroup in the CTA's tile (0 for 64-row CTAs)
+        return tx // 128 // wg_n * 64 if wg_m > 1 else 0
 
     def chain(v, p0, p1, R, row, col, lrow, lcol):
         """The elementwise chain on fp32 value ``v`` at global ``(row, col)``, local ``(lrow,
@@ -323,16 +338,16 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
         """``stat[h, col]`` = the sum over the whole row ``r0 + 8h`` of what the threads hold in
         ``s[h]``: across quad lanes and the row's warpgroups through ``part``, across the
         cluster's CTAs (the row's column slices) through distributed shared memory."""
-        r0 = T.meta_var(tx // 128 // wg_n * 64 + fragment(tx, 0)[0])  # in the CTA's tile
+        r0 = T.meta_var(first_row(tx) + fragment(tx, 0)[0])  # in the CTA's tile
         for h in T.unroll(2):
-            part[p, r0 + 8 * h, tx // 128 % wg_n * 4 + tx % 4] = s[h]
+            part[p, r0 + 8 * h, column_part(tx) * 4 + tx % 4] = s[h]
         sync()
         for h in T.unroll(2):
             stat[h, col] = T.float32(0)
             for j in T.unroll(parts):
                 stat[h, col] = stat[h, col] + part[p, r0 + 8 * h, j]
         if ranks > 1:
-            if tx // 128 % wg_n == 0 and tx % 4 == 0:  # one writer per row: quad leaders of its first warpgroup
+            if leads_rows(tx) and tx % 4 == 0:  # one writer per row: quad leaders of its first warpgroup
                 for h in T.unroll(2):
                     rowpart[p, r0 + 8 * h] = stat[h, col]
             T.cuda.cluster_sync()
@@ -353,8 +368,8 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
         stat = T.alloc_local([2, 2], "float32")  # [row half, mean / rstd]
         peer = T.alloc_local([1], "uint32")
         got = T.alloc_local([1], "float32")
-        l0 = T.meta_var(tx // 128 % wg_n * wg_cols)  # the warpgroup's first column in the slice
-        lr = T.meta_var(tx // 128 // wg_n * 64)  # and its first row in the CTA's tile
+        l0 = T.meta_var(column_part(tx) * wg_cols)  # the warpgroup's first column in the slice
+        lr = T.meta_var(first_row(tx))  # and its first row in the CTA's tile
         c0 = T.meta_var(rk * slice_n + l0)
         for h in T.unroll(2):
             s[h] = T.float32(0)

@@ -16,6 +16,24 @@ halved), now faster than torch.compile (43.5); the K >= 3072 shapes 5-10% faster
 torch.compile's 32.4); attnout within 5% either way (its K loop is short); the plain GEMM on the
 128-row tiles within 10% of cuBLAS at K >= 3072.
 
+Outcome (H200, session 10, commit 7fc67ac, ``../session10-h200-2026-12-04/row-tiles.json``,
+device us): correct everywhere (same max error), but the prediction is refuted: 128-row CTAs
+were much slower fused, though faster as a plain GEMM on the same tiles:
+
+    shape              cuBLAS  torch.compile  fused bm 64  fused bm 128  plain bm 64  plain bm 128
+    16384x256x1024      19.4       43.8          54.0         61.9         43.3          41.3
+    4096x3072x768       26.5       32.6          35.2         58.5         35.1          30.8
+    4096x4096x1024      44.5       51.4          60.2         97.9         58.8          50.8
+    4096x768x768         9.1       14.9          14.0         25.2         13.3          13.1
+
+The fused bm-128 kernels differ from their plain GEMMs by about one more mainloop: their rows
+take clusters of four CTAs (the plain GEMM needs none), each CTA alone on its SM, and fewer
+such clusters fit the GPCs at once than the 32 a wave needs, so a second wave runs (session 3
+measured the same cost on the mma.sync kernel, and session 8 on 64 x 192 slices). bk 32 rings
+changed nothing. So the default keeps 64 rows (``wgmma_postnorm.ROW_TILES``); at 64 rows the
+fused kernel costs about what its plain GEMM does at K >= 3072 (35.2 against 35.1), i.e. the
+remaining gap to cuBLAS is the 64-row mainloop's, not the epilogue's.
+
 Same inputs for every contender, correctness checked before timing; ``kernel_us`` is the
 profiler's device time per call. Run on the GPU:
 ``bash .ci/gpu-run notebooks/results/experiments/row_tiles.py`` (writes ``$OUT/row-tiles.json``).
