@@ -66,6 +66,18 @@ def test_oracle_requires_matching_nan_and_inf_positions():
         assert m(other + 1.0, a, other, "float32", fuzz.TOL)  # the finite values still compare
 
 
+def test_oracle_judges_non_finite_positions_element_by_element():
+    """GPU seed 120: vanilla's fast-math powf is NaN at 803 negative bases the float64 reference
+    squares; ComFuse shares 802 of them and, where its rounding left one value positive, has
+    the reference's finite value. Each element must agree with vanilla or with the reference."""
+    m = fuzz._mismatch  # pylint: disable=protected-access
+    ref = np.array([1.0, 2.0, 3.0, 4.0])
+    vanilla = np.array([1.0, np.nan, np.nan, 4.0])
+    assert m(np.array([1.0, np.nan, 3.0, 4.0]), vanilla, ref, "float32", fuzz.TOL) == ""
+    assert "rel. error" in m(np.array([1.0, np.nan, 3.5, 4.0]), vanilla, ref, "float32", fuzz.TOL)  # finite: the reference's value
+    assert "NaN positions" in m(np.array([np.nan, np.nan, 3.0, 4.0]), vanilla, ref, "float32", fuzz.TOL)  # NaN nobody has
+
+
 def test_shrink_minimises_a_failing_predicate():
     """A fake oracle that 'fails' whenever ComFuse groups a softmax: shrink keeps only that."""
     def groups_softmax(case):

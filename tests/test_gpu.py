@@ -162,8 +162,9 @@ def test_bert_encoder_fp16_on_gpu():
 #: found wrong on the GPU. Three wrote rows of neighbouring thread blocks (3-D rows read through
 #: ``r -> (r // S, r % S)``): the rule now rejects such schedules and DLight takes them. The
 #: rest (NaN positions differing from vanilla TVM on NaN/Inf inputs) are open, strict xfail so
-#: a fix shows. 120: ``x ** 2`` was NaN for negative x in both compilers (fast-math ``__powf``),
-#: ComFuse's groups square exactly since ExactSquare.
+#: a fix shows. 120: vanilla's fast-math ``powf`` is NaN for negative bases, and one near-zero
+#: value came out positive in ComFuse's rounding order: finite there, like the float64 reference
+#: (the oracle judges non-finite positions element by element since session 10).
 GPU_FUZZ_FIXED = (19, 59, 78, 39, 40, 93, 20, 86, 160, 77, 177, 120)  # 77: failed at 746b77e (unrolled reductions, reverted)
 GPU_FUZZ_OPEN = ()  # 177 (N = 1) passed at 356d81c: one-column rows go to DLight since 06994e8
 

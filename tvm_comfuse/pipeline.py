@@ -22,7 +22,7 @@ from tvm.s_tir import meta_schedule as ms
 from .errors import ComFuseError
 from .schedule import GemmRowTile
 from .target import is_gpu, parse_target
-from .transform import AnnotateFusedBlocks, ExactSquare, FuseComputeMemory, OffloadHopperPostNorm
+from .transform import AnnotateFusedBlocks, FuseComputeMemory, OffloadHopperPostNorm
 from .transform.fuse_compute_memory import KIND_ATTR
 from .transform.offload_hopper import uses_hopper
 
@@ -114,12 +114,10 @@ def vanilla_fusion_passes():
 
 def fusion_passes(target=None, hopper: bool | None = None):
     """FuseComputeMemory (and, with ``hopper``, the wgmma kernels for the post-norm groups they
-    take; ``None``: on sm_90 targets), squares in the groups made exact (ExactSquare), then the
-    vanilla legalisation and fusion of the rest, then the annotation of the fused PrimFuncs:
-    everything up to scheduling."""
+    take; ``None``: on sm_90 targets), then the vanilla legalisation and fusion of the rest,
+    then the annotation of the fused PrimFuncs: everything up to scheduling."""
     offload = [OffloadHopperPostNorm(target)] if target is not None and uses_hopper(target, hopper) else []
-    return [FuseComputeMemory(target=target, hopper=bool(offload)), *offload, ExactSquare(), *vanilla_fusion_passes(),
-            AnnotateFusedBlocks()]
+    return [FuseComputeMemory(target=target, hopper=bool(offload)), *offload, *vanilla_fusion_passes(), AnnotateFusedBlocks()]
 
 
 def schedule_passes(target: tvm.target.Target, database=None):

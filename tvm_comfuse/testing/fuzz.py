@@ -13,10 +13,12 @@ module, ``reference(case, inputs)`` evaluates the same tokens in NumPy float64.
 
 Oracle (``check``), per output, all tolerances relative to ``max(1, max|vanilla output|)``:
 
-* non-finite positions must match exactly: NaN where vanilla has NaN, same-signed Inf where
-  vanilla has Inf, finite where vanilla is finite; or, where they do not, exactly where the
-  float64 reference has them (vanilla's half-precision accumulators overflow where ComFuse's
-  float32 ones do not); a mismatch says how many each of the three has;
+* non-finite positions must match, element by element: NaN where vanilla has NaN, same-signed
+  Inf where vanilla has Inf, finite where vanilla is finite; or, at an element where they do
+  not, what the float64 reference has there (vanilla's half-precision accumulators overflow
+  where ComFuse's float32 ones do not; vanilla's fast-math ``powf`` is NaN for a negative base,
+  so which near-zero values of a cancellation turn NaN depends on the rounding order, GPU seed
+  120); a mismatch says how many elements, and how many each of the three has;
 * finite values agree within ``TOL[dtype]`` (float32 1e-4, float16 3e-2, bfloat16 1e-1; the
   dtype is the least precise one the chain casts through, see ``tolerance_dtype``), or,
   where they do not, ComFuse is at least as close to the float64 reference as vanilla TVM
@@ -388,12 +390,14 @@ def _mismatch(ours, theirs, ref, dtype, tol_table) -> str:
     if any((test(ours) != test(theirs)).any() for _, test in tests):
         with np.errstate(over="ignore"):  # the reference as the output's dtype holds it (overflow: Inf)
             ref_out = ref.astype(ours.dtype) if ours.dtype.kind == "f" else ref
-        for what, test in tests:
-            if (test(ours) != test(ref_out)).any():
-                return (f"{what} positions differ from vanilla and the reference ({int((test(ours) != test(theirs)).sum())}"
+        for what, test in tests:  # per element: like vanilla, or else like the reference
+            bad = (test(ours) != test(theirs)) & (test(ours) != test(ref_out))
+            if bad.any():
+                return (f"{what} positions differ from vanilla and the reference ({int(bad.sum())}"
                         f" elements; {what} count: ours {int(test(ours).sum())}, vanilla {int(test(theirs).sum())},"
                         f" reference {int(test(ref_out).sum())})")
-        theirs = ref  # vanilla's non-finite values are its own: compare against the reference
+        # where vanilla's finiteness is its own, ours is compared with the reference instead
+        theirs = np.where(np.isfinite(ours) == np.isfinite(theirs), theirs, ref)
     fin = np.isfinite(theirs) & np.isfinite(ref)
     if not fin.any():
         return ""

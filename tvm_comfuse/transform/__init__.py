@@ -1,7 +1,6 @@
 """Relax/TIR passes: outline fusion groups (FuseComputeMemory), annotate the fused PrimFuncs."""
 
 from .cast_before_transpose import CastBeforeTranspose
-from .exact_square import ExactSquare
 from .annotate_blocks import ROLE_ATTR, ROLES, AnnotateFusedBlocks, block_roles
 from .fuse_compute_memory import GROUPS_ATTR, KIND_ATTR, FuseComputeMemory, analyze
 from .hoist_row_reshape import HoistRowReshape
