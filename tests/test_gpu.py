@@ -70,6 +70,28 @@ def test_symbolic_m_one_build_runs_every_m(dtype):
         assert (out.cpu().double() - torch.from_numpy(ref)).abs().max().item() <= TOL[dtype], (M, dtype)
 
 
+def test_symbolic_m_runs_every_m_with_the_configuration_tuned_at_a_representative_size(tmp_path, config_record):
+    """Logs tuned with n bound to 256 (here: a record of the first 16-warp configuration)
+    schedule the symbolic group; that one build is correct for every n."""
+    import tvm  # pylint: disable=import-outside-toplevel
+
+    from tvm_comfuse.tune import extract_tasks  # pylint: disable=import-outside-toplevel
+
+    K, N, dtype = 256, 768, "float16"
+    target = tvm.target.Target.from_device(tvm.cuda(0))
+    mod = wl.post_norm(tvm.tirx.Var("n", "int64"), K, N, dtype, "layer_norm", linear=True)
+    (task,) = extract_tasks(tvm.relax.transform.BindSymbolicVars({"n": 256})(mod), target)
+    cfg = config_record(tmp_path, task, target, {"n": 256}, lambda space: next(p for p in space if p[0].warps == 16))
+    ex = runtime.compile_module(mod, target, database=str(tmp_path), hopper=False)
+    assert f"__launch_bounds__({32 * cfg.warps})" in codegen.cuda_source(ex)
+    vm = tvm.relax.VirtualMachine(ex, tvm.cuda(0))
+    for M in (1, 31, 256, 1000):
+        args = _inputs(M, K, N, dtype, linear=True)
+        out = torch.from_dlpack(vm["main"](*[tvm.runtime.from_dlpack(a) for a in args])).float()
+        ref = wl.post_norm_reference([a.float().cpu().numpy() for a in args], "layer_norm", linear=True)[0]
+        assert (out.cpu().double() - torch.from_numpy(ref)).abs().max().item() <= TOL[dtype], M
+
+
 @pytest.mark.parametrize("B, S, dtype", [(4, 128, "float16"), (3, 100, "float16"), (2, 33, "bfloat16")])
 def test_batched_rows_match_pytorch(B, S, dtype):
     """``x[B, S, K]`` activations (flattened to B * S rows by the rule), the residual sum also returned."""

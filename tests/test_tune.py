@@ -3,6 +3,7 @@
 import hashlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -255,3 +256,41 @@ def test_shipped_h200_logs_apply_to_their_workloads():
         logs = tuned_logs(name)
         assert logs is not None, name
         assert applied_from_database(load_workload(name)[1], "nvidia/nvidia-h100", logs) == (1, 1), name
+
+
+def test_symbolic_rows_are_tuned_at_a_representative_size(tmp_path, capsys):
+    """A module with symbolic rows ("n") is tuned with n bound (--bind), the binding kept with
+    the logs; without it, or with a binding the module or the logs do not have, the error says
+    what to pass and nothing is written (MetaSchedule used to crash inside its search)."""
+    script = tmp_path / "serving.py"
+    script.write_text(workloads.post_norm(tvm.tirx.Var("n", "int64"), 40, 24, "float32", "layer_norm", linear=True).script())
+    work = tmp_path / "logs"
+    tune = lambda *a: main(["tune", str(script), "--target", TARGET, "--quiet", "--work-dir", str(work), *a])  # noqa: E731
+    for args, says in [((), "--bind n=4096"), (("--bind", "m=3"), "does not have"), (("--bind", "n=x"), "VAR=VALUE")]:
+        assert tune(*args) == 2
+        assert says in capsys.readouterr().err and not work.exists()
+    assert tune("--trials", "2", "--bind", "n=64") == 0
+    assert json.loads((work / "comfuse_meta.json").read_text())["bind"] == {"n": 64}
+    before = _digest(work)
+    assert tune("--trials", "4", "--bind", "n=32") == 2
+    assert "bound to {'n': 64}" in capsys.readouterr().err and _digest(work) == before
+
+
+def test_symbolic_groups_compile_with_the_configuration_tuned_at_the_representative_size(tmp_path, config_record):
+    """Compiling the symbolic module from logs tuned at n = 256 schedules its fused group with
+    the recorded configuration (here the first one with 16 warps, where the untuned default
+    has 8): the kernel is the record's, for every n."""
+    from tvm_comfuse import codegen  # pylint: disable=import-outside-toplevel
+    from tvm_comfuse.tune import extract_tasks  # pylint: disable=import-outside-toplevel
+
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"}, host="llvm")
+    mod = workloads.post_norm(tvm.tirx.Var("n", "int64"), 768, 768, "float16", "layer_norm", linear=True)
+    (task,) = extract_tasks(tvm.relax.transform.BindSymbolicVars({"n": 256})(mod), target)
+    cfg = config_record(tmp_path, task, target, {"n": 256}, lambda space: next(p for p in space if p[0].warps == 16))
+
+    def threads(database):
+        source = codegen.cuda_source(runtime.compile_module(mod, target, database=database, hopper=False))
+        (kernel,) = [k for k in codegen.kernel_names(source) if "matmul" in k]
+        return int(re.search(r"__launch_bounds__\((\d+)\)\s*" + kernel, source).group(1))
+
+    assert (threads(None), threads(str(tmp_path))) == (256, 32 * cfg.warps)

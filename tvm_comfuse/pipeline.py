@@ -120,15 +120,17 @@ def fusion_passes(target=None, hopper: bool | None = None):
     return [FuseComputeMemory(target=target, hopper=bool(offload)), *offload, *vanilla_fusion_passes(), AnnotateFusedBlocks()]
 
 
-def schedule_passes(target: tvm.target.Target, database=None):
+def schedule_passes(target: tvm.target.Target, database=None, static: dict | None = None):
     """Tuned records first, then the ComFuse rules for fused groups, then DLight's defaults
-    for what is still unscheduled (GPU only).
+    for what is still unscheduled (GPU only). ``static``: for groups with symbolic shapes, the
+    task modules their records were tuned on at a representative size
+    (:func:`tvm_comfuse.tune.representative.counterparts`).
 
     CPU targets need no schedule to be correct; they compile the fused PrimFuncs as they are.
     """
     passes = []
     if database is not None:
-        passes.append(_apply_database(load_database(database, target)))
+        passes.append(_apply_database(load_database(database, target), target, static or {}))
     if is_gpu(target):
         passes.append(
             dl.ApplyDefaultSchedule(
@@ -167,20 +169,23 @@ def count_scheduled(funcs) -> int:
     return sum(bool((f.attrs or {}).get("tirx.is_scheduled", False)) for f in funcs)
 
 
-def _apply_database(db: ms.Database):
-    """Apply the tuned records, and say how many fused kernels had one (the rest take the
-    defaults of ``schedules/<arch>.json`` in the next pass)."""
+def _apply_database(db: ms.Database, target: tvm.target.Target, static: dict):
+    """Apply the tuned records (symbolic groups through their representative-size
+    counterparts in ``static``, GPU only), and say how many fused kernels had one (the rest
+    take the defaults of ``schedules/<arch>.json`` in the next pass)."""
+    from .tune.representative import apply_records  # pylint: disable=import-outside-toplevel  (tune imports us)
 
     @tvm.transform.module_pass(opt_level=0, name="ComFuseApplyDatabase")
     def _apply(mod, _ctx):
         with db:
             mod = relax.transform.MetaScheduleApplyDatabase(enable_warning=False)(mod)
+        mod, symbolic = apply_records(mod, db, target, static) if static and is_gpu(target) else (mod, 0)
         fused = [f for _, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc) and KIND_ATTR in (f.attrs or {})]
         tuned = count_scheduled(fused)
         if fused:
             (LOG.warning if tuned < len(fused) else LOG.info)(
-                "ComFuse: %d of %d fused kernels use tuned records, %d the untuned defaults",
-                tuned, len(fused), len(fused) - tuned,
+                "ComFuse: %d of %d fused kernels use tuned records (%d of them symbolic, tuned at a representative size), "
+                "%d the untuned defaults", tuned, len(fused), symbolic, len(fused) - tuned,
             )
         return mod
 
@@ -209,7 +214,9 @@ def get_pipeline(target, database=None, hopper: bool | None = None) -> tvm.trans
         A target tag (``"nvidia/nvidia-h100"``), a JSON dict (``{"kind": "cuda", "arch":
         "sm_90"}``) or ``"llvm"``.
     database : str, os.PathLike or tvm.s_tir.meta_schedule.Database, optional
-        Tuning logs to apply before the defaults.
+        Tuning logs to apply before the defaults. Logs tuned with symbolic shapes bound
+        (``comfuse tune --bind n=4096``) also serve the symbolic groups on GPUs: each is scheduled
+        with the configuration tuned at that size.
     hopper : bool, optional
         Run the post-norm groups the Hopper kernel takes (warp-specialised TMA + wgmma mainloop,
         rows up to 4096 wide sliced over a thread-block cluster) as that kernel instead of the
@@ -218,18 +225,25 @@ def get_pipeline(target, database=None, hopper: bool | None = None) -> tvm.trans
         1.02-2.7x, and 5.5x over vanilla TVM at 8192x4096x4096, which the rule cannot fuse);
         ``False`` keeps the portable mma.sync rule.
     """
+    from .tune.logs import read_meta  # pylint: disable=import-outside-toplevel  (tune imports us)
+    from .tune.representative import counterparts  # pylint: disable=import-outside-toplevel
+
     target = parse_target(target)
     backend = _backend(target)
+    bind = {}
     if database is not None:
         load_database(database, target)  # fail now, with the path in the message, not mid-compile
+        if not isinstance(database, ms.Database):
+            bind = (read_meta(os.fspath(database)) or {}).get("bind", {})  # tuned at a representative size
 
     @tvm.transform.module_pass(opt_level=0, name="ComFusePipeline")
     def _pipeline(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         with target:
+            static = counterparts(mod, target, bind) if bind and is_gpu(target) else {}
             seq = tvm.transform.Sequential(
                 backend.library_dispatch_passes(target)
                 + fusion_passes(target, hopper)
-                + schedule_passes(target, database)
+                + schedule_passes(target, database, static)
                 + backend.dataflow_lower_passes(target)
                 + backend.finalize_passes(target)
             )

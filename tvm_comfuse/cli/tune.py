@@ -19,6 +19,7 @@ EXAMPLES = """examples:
   comfuse tune bert-base-attnout --target nvidia/nvidia-h100 --trials 2000
   comfuse tune bert-base --layers 2 --target '{"kind": "cuda", "arch": "sm_90"}' --include-vanilla
   comfuse tune my_model.py --work-dir logs/mine            a Relax IRModule saved with mod.script()
+  comfuse tune serving.py --bind n=4096 --target nvidia/nvidia-h100   symbolic rows ("n"), tuned at n = 4096
   comfuse tune tiny-postnorm --rpc-tracker 127.0.0.1:9190 --rpc-key cpu   measure on a remote device
 then compile with the logs:
   ex = tvm_comfuse.compile(mod, target, database="tuning_logs/llvm/tiny-postnorm")
@@ -37,6 +38,9 @@ def add_parser(sub) -> None:
     p.add_argument("--include-vanilla", action="store_true", help="also tune the PrimFuncs ComFuse did not fuse")
     p.add_argument("--layers", type=int, help="encoder layers for bert-base/bert-large (default: the real depth)")
     p.add_argument("--batch", type=int, default=64, help="candidates per measurement round; logs grow after each (default 64)")
+    p.add_argument("--bind", action="append", metavar="VAR=VALUE",
+                   help="tune a symbolic shape variable at this representative value (repeatable); compiles from the "
+                        "logs use the tuned configurations for every value")
     p.add_argument("--rpc-tracker", metavar="HOST:PORT", help="measure through this TVM RPC tracker")
     p.add_argument("--rpc-key", metavar="KEY", help="the device key registered with the tracker")
 
@@ -45,7 +49,7 @@ def run(args) -> int:
     options = tuning.TuneOptions(
         workload=args.workload, target=args.target, trials=args.trials, work_dir=args.work_dir, seed=args.seed,
         quiet=args.quiet, include_vanilla=args.include_vanilla, rpc_tracker=args.rpc_tracker,
-        rpc_key=args.rpc_key, layers=args.layers, batch=args.batch,
+        rpc_key=args.rpc_key, layers=args.layers, batch=args.batch, bind=tuning.parse_bind(args.bind),
     )
     result = tuning.tune(options)
     with open(f"{result.work_dir}/summary.txt", encoding="utf-8") as f:

@@ -10,12 +10,14 @@ applies at compile time. Modules:
 * :mod:`.logs` - the work directory: its meta file, log validation, record counts;
 * :mod:`.measure` - the builder and runner (local or through an RPC tracker);
 * :mod:`.driver` - the resumable tuning loop with its progress bar;
-* :mod:`.summary` - the human summary and the "tuned vs default" report after compiling.
+* :mod:`.summary` - the human summary and the "tuned vs default" report after compiling;
+* :mod:`.representative` - symbolic shapes tuned at a representative size (``--bind``).
 """
 
 from .driver import TuneOptions, TuneResult, tune
 from .logs import WorkDir, default_work_dir
 from .registry import WORKLOADS, load_workload
+from .representative import parse_bind
 from .summary import applied_from_database
 from .tasks import Task, extract_tasks
 
@@ -27,6 +29,7 @@ __all__ = [
     "default_work_dir",
     "WORKLOADS",
     "load_workload",
+    "parse_bind",
     "applied_from_database",
     "Task",
     "extract_tasks",

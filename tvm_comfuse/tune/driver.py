@@ -23,6 +23,7 @@ from ..target import is_gpu, tuning_target
 from . import measure, space
 from .logs import WorkDir, default_work_dir
 from .registry import load_workload
+from .representative import bind_rows
 from .summary import TaskReport, write_summary
 from .tasks import Task, extract_tasks
 
@@ -42,6 +43,8 @@ class TuneOptions:
     rpc_key: str | None = None
     layers: int | None = None
     batch: int = 64  # candidates measured per round; records are written after each round
+    #: Values of symbolic shape variables to tune at (``{"n": 4096}``; :mod:`.representative`).
+    bind: dict | None = None
 
 
 @dataclass
@@ -93,12 +96,13 @@ def prepare(options: TuneOptions):
         raise ComFuseError(f"--trials must be >= 0, got {options.trials}")
     target = tuning_target(options.target)
     name, mod = load_workload(options.workload, options.layers)
+    mod = bind_rows(mod, options.bind or {})
     if is_gpu(target) and options.rpc_tracker is None and not tvm.device(target.kind.name, 0).exist:
         raise ComFuseError(
             f"target {target.kind.name!r} needs a {target.kind.name.upper()} device to measure on and none was found "
             "(tvm.cuda(0).exist is False); run on the GPU machine or measure remotely with --rpc-tracker/--rpc-key."
         )
-    work = WorkDir(options.work_dir or default_work_dir(target, name), target)
+    work = WorkDir(options.work_dir or default_work_dir(target, name), target, options.bind)
     work.check()
     runner = measure.runner(options.rpc_tracker, options.rpc_key)
     tasks = extract_tasks(mod, target, options.include_vanilla)

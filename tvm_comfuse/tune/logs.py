@@ -56,16 +56,18 @@ def read_meta(path: str) -> dict | None:
 class WorkDir:
     """A tuning work directory for one target; :meth:`check` before :meth:`database`."""
 
-    def __init__(self, path: str, target: tvm.target.Target):
+    def __init__(self, path: str, target: tvm.target.Target, bind: dict | None = None):
         self.path = path
         self.target = target
+        self.bind = dict(bind or {})  # symbolic shape variables bound for tuning (``--bind``)
         self.workload_path = os.path.join(path, WORKLOAD_FILE)
         self.record_path = os.path.join(path, RECORD_FILE)
         self.meta_path = os.path.join(path, META_FILE)
 
     # -- checks ---------------------------------------------------------------------------
     def expected_meta(self) -> dict:
-        return {"target": str(self.target), "tvm_version": tvm.__version__}
+        meta = {"target": str(self.target), "tvm_version": tvm.__version__}
+        return {**meta, "bind": self.bind} if self.bind else meta
 
     def check(self) -> None:
         """Raise :class:`ComFuseError` if the logs here belong elsewhere or do not parse."""
@@ -86,6 +88,11 @@ class WorkDir:
                     f"({self.meta_path}). Records do not transfer between targets or TVM versions: "
                     "use another --work-dir (the default one is per target)."
                 )
+        if meta.get("bind", {}) != self.bind:
+            raise ComFuseError(
+                f"{self.path}: these logs were tuned with symbolic shapes bound to {meta.get('bind', {})}, not {self.bind} "
+                f"({self.meta_path}); a compile looks records up at one size: tune with the same --bind, or use another --work-dir."
+            )
 
     def scan(self) -> tuple[list[str], list]:
         """Validate both logs line by line: ``(workload hashes, [(workload index, run_secs)])``."""

@@ -24,6 +24,7 @@ from ..pipeline import load_database
 from ..schedule import GemmRowTile
 from ..target import parse_target
 from .logs import META_FILE
+from .representative import config_of
 
 
 def decode(work_dir: str) -> dict:
@@ -39,9 +40,7 @@ def decode(work_dir: str) -> dict:
         if key not in spaces:  # every configuration scheduled once per task, not once per record
             spaces[key] = GemmRowTile().scheduled(s_tir.Schedule(func), target)
             default = default or (spaces[key][0][0] if spaces[key] else None)
-        tuned = s_tir.Schedule(func)
-        rec.trace.apply_to_schedule(tuned, remove_postproc=False)
-        match = next((cfg for cfg, sch in spaces[key] if tvm_ffi.structural_equal(sch.mod, tuned.mod)), None)
+        match = config_of(rec.trace, func, target, spaces[key])
         secs = [float(s) for s in rec.run_secs or []]
         rows.append({"us": round(sum(secs) / len(secs) * 1e6, 2) if secs else None,
                      "config": dataclasses.asdict(match) if match else None})
