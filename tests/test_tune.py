@@ -13,6 +13,7 @@ import time
 import numpy as np
 import pytest
 import tvm
+import tvm_ffi
 
 from tvm_comfuse import runtime, workloads
 from tvm_comfuse.cli.main import main
@@ -294,3 +295,50 @@ def test_symbolic_groups_compile_with_the_configuration_tuned_at_the_representat
         return int(re.search(r"__launch_bounds__\((\d+)\)\s*" + kernel, source).group(1))
 
     assert (threads(None), threads(str(tmp_path))) == (256, 32 * cfg.warps)
+
+
+def test_bound_tasks_search_only_configurations_the_symbolic_group_can_use():
+    """Tuned at n = 4096 for a module whose rows are symbolic, the space keeps only the
+    configurations the symbolic group can be scheduled with (on the H200 the fastest of 16
+    unrestricted trials recomputed rows, which needs a static M, and went unused), and every
+    one it keeps applies to the symbolic group."""
+    from tvm import s_tir  # pylint: disable=import-outside-toplevel
+    from tvm.s_tir import meta_schedule as ms  # pylint: disable=import-outside-toplevel
+
+    from tvm_comfuse.pipeline import register_tensor_intrinsics  # pylint: disable=import-outside-toplevel
+    from tvm_comfuse.schedule import GemmRowTile  # pylint: disable=import-outside-toplevel
+    from tvm_comfuse.tune import extract_tasks, space  # pylint: disable=import-outside-toplevel
+    from tvm_comfuse.tune.representative import with_symbolic  # pylint: disable=import-outside-toplevel
+
+    register_tensor_intrinsics()
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm")
+    mod = workloads.post_norm(tvm.tirx.Var("n", "int64"), 768, 768, "float16", "layer_norm", linear=True)
+    (task,) = extract_tasks(tvm.relax.transform.BindSymbolicVars({"n": 4096})(mod), target)
+    with_symbolic([task], mod, target)
+
+    def designs(symbolic):
+        _, gen = space.space_for(task.kind, task.mod, target, symbolic)
+        return ms.TuneContext(mod=task.mod, target=target, space_generator=gen, task_name="t", num_threads=1).generate_design_space()
+
+    every, usable = designs(None), designs(task.symbolic)
+    assert 0 < len(usable) < len(every)
+    everything = GemmRowTile().scheduled(s_tir.Schedule(task.mod["main"]), target)
+    kept = [cfg for cfg, sch in everything if any(tvm_ffi.structural_equal(sch.mod, d.mod) for d in usable)]
+    assert len(kept) == len(usable)
+    assert all(sch is not None for _, sch in GemmRowTile().scheduled(s_tir.Schedule(task.symbolic), target, configs=kept, quiet=True))
+
+
+def test_symbolic_groups_take_the_fastest_record_that_applies():
+    """Logs tuned on the H200 at n = 4096 before the space was restricted (session 10): their
+    fastest records recompute rows (static M only), so the symbolic group takes the fastest
+    record that applies to it (32.7 us, 16 warps); the logs are only read."""
+    from tvm_comfuse import codegen  # pylint: disable=import-outside-toplevel
+
+    logs = os.path.join(os.path.dirname(__file__), "..", "notebooks", "results", "session10-h200-2026-12-04", "representative-logs")
+    before = {name: hashlib.sha256(open(os.path.join(logs, name), "rb").read()).hexdigest() for name in os.listdir(logs)}
+    meta = json.loads(open(os.path.join(logs, "comfuse_meta.json"), encoding="utf-8").read())
+    target = tvm.target.Target(json.loads(meta["target"]), host="llvm")
+    mod = workloads.post_norm(tvm.tirx.Var("n", "int64"), 768, 768, "float16", "layer_norm", linear=True)
+    source = codegen.cuda_source(runtime.compile_module(mod, target, database=logs, hopper=False))
+    assert set(re.findall(r"__launch_bounds__\((\d+)\)", source)) == {"512"}  # untuned: 256
+    assert before == {name: hashlib.sha256(open(os.path.join(logs, name), "rb").read()).hexdigest() for name in os.listdir(logs)}

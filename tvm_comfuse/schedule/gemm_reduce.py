@@ -128,13 +128,14 @@ class GemmRowTile(ScheduleRule):
             return mma_candidates(arch, n, sch.get(g.mainloop).iter_vars[0].dom.extent)
         return candidates(RowTileConfig, arch, n, _operand_bytes(sch, g.mainloop))
 
-    def scheduled(self, sch: s_tir.Schedule, target, limit: int | None = None, configs: list | None = None) -> list:
+    def scheduled(self, sch: s_tir.Schedule, target, limit: int | None = None, configs: list | None = None,
+                  quiet: bool = False) -> list:
         """``[(configuration, schedule)]`` for the first ``limit`` configurations that fit,
         each schedule a copy of ``sch`` (so its trace replays on the task); configurations the
         rule cannot apply are left out. With ``configs``, those (offered by the space or not),
-        each paired with None where the rule cannot apply it."""
+        each paired with None where the rule cannot apply it (``quiet``: without a warning)."""
         if configs is not None:
-            return [(cfg, self._try(sch.copy(), cfg)) for cfg in configs]
+            return [(cfg, self._try(sch.copy(), cfg, quiet)) for cfg in configs]
         pairs = ((cfg, self._try(sch.copy(), cfg)) for cfg in self.configs(sch, target)[:limit])
         return [(cfg, done) for cfg, done in pairs if done is not None]
 
@@ -144,14 +145,14 @@ class GemmRowTile(ScheduleRule):
         return [done for _, done in self.scheduled(sch, target)]
 
     @staticmethod
-    def _try(sch: s_tir.Schedule, cfg):
+    def _try(sch: s_tir.Schedule, cfg, quiet: bool = False):
         try:
             return _schedule(sch, cfg)
         except (RuntimeError, ValueError) as err:  # ScheduleError, InternalError, failed checks
             # a block layout the rule cannot tile: the next rule (DLight) schedules the
             # function; it stays correct, only slower
             first = str(err).strip().splitlines()[-1][:200] if str(err).strip() else type(err).__name__
-            LOG.warning("ComFuse rule did not apply to a %s group (%s), DLight schedules it: %s",
+            (LOG.debug if quiet else LOG.warning)("ComFuse rule did not apply to a %s group (%s), DLight schedules it: %s",
                         sch.mod["main"].attrs[KIND_ATTR], cfg, first)
             return None
 

@@ -23,7 +23,7 @@ from ..target import is_gpu, tuning_target
 from . import measure, space
 from .logs import WorkDir, default_work_dir
 from .registry import load_workload
-from .representative import bind_rows
+from .representative import bind_rows, with_symbolic
 from .summary import TaskReport, write_summary
 from .tasks import Task, extract_tasks
 
@@ -96,7 +96,7 @@ def prepare(options: TuneOptions):
         raise ComFuseError(f"--trials must be >= 0, got {options.trials}")
     target = tuning_target(options.target)
     name, mod = load_workload(options.workload, options.layers)
-    mod = bind_rows(mod, options.bind or {})
+    symbolic, mod = mod, bind_rows(mod, options.bind or {})
     if is_gpu(target) and options.rpc_tracker is None and not tvm.device(target.kind.name, 0).exist:
         raise ComFuseError(
             f"target {target.kind.name!r} needs a {target.kind.name.upper()} device to measure on and none was found "
@@ -106,6 +106,8 @@ def prepare(options: TuneOptions):
     work.check()
     runner = measure.runner(options.rpc_tracker, options.rpc_key)
     tasks = extract_tasks(mod, target, options.include_vanilla)
+    if options.bind:
+        with_symbolic(tasks, symbolic, target)
     if not tasks:
         raise ComFuseError(
             f"workload {name!r} has no ComFuse-fused PrimFuncs to tune on {target.kind.name}; "
@@ -153,7 +155,7 @@ class _Run:
 
 
 def _tune_task(run: _Run, index: int, task: Task, trials: int, report: TaskReport) -> None:
-    label, space_gen = space.space_for(task.kind, task.mod, run.target)
+    label, space_gen = space.space_for(task.kind, task.mod, run.target, task.symbolic)
     report.space = label
     if label is None:  # no space can schedule it: it stays on the default schedule
         report.error = "; ".join(space_gen)

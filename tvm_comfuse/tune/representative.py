@@ -6,12 +6,17 @@ the exact PrimFunc, so a symbolic group could neither be tuned nor find a record
 gemm_reduce rule's configurations do not depend on M (a symbolic M is offered those of any
 static one, and is correct for every M), so:
 
-* ``comfuse tune FILE --bind n=4096`` tunes the module with ``n`` bound to 4096 and records the
-  binding in the log directory's ``comfuse_meta.json``;
+* ``comfuse tune FILE --bind n=4096`` tunes the module with ``n`` bound to 4096, searching only
+  the configurations the symbolic group can also be scheduled with (:func:`with_symbolic`;
+  some recompute rows from a register tile, which needs a static M), and records the binding
+  in the log directory's ``comfuse_meta.json``;
 * ``get_pipeline(target, database=DIR)`` binds the same values to find each symbolic group's
-  record (:func:`counterparts`), reads which of the rule's configurations it is
-  (:func:`config_of`), and schedules the symbolic group with that configuration
+  records (:func:`counterparts`), reads which of the rule's configurations they are
+  (:func:`config_of`), and schedules the symbolic group with the fastest one that applies
   (:func:`apply_records`): tuned for 4096, correct for every n.
+
+On CPU targets MetaSchedule's records are loop transformations of the static function, not
+configurations: a symbolic group there compiles untuned (correct, as vanilla TVM's).
 """
 
 from __future__ import annotations
@@ -65,6 +70,16 @@ def bind_rows(mod: tvm.IRModule, bind: dict) -> tvm.IRModule:
     return relax.transform.BindSymbolicVars(bind)(mod) if bind else mod
 
 
+def with_symbolic(tasks: list, mod: tvm.IRModule, target: tvm.target.Target) -> None:
+    """Give each task tuned at the representative size its symbolic group of ``mod`` (the
+    module before binding): the tuner keeps to configurations that group can use."""
+    from .tasks import fused_module  # pylint: disable=import-outside-toplevel
+
+    groups = {gv.name_hint: f for gv, f in fused_module(mod, target).functions_items() if isinstance(f, tirx.PrimFunc)}
+    for task in tasks:
+        task.symbolic = groups.get(task.name)
+
+
 def counterparts(mod: tvm.IRModule, target: tvm.target.Target, bind: dict) -> dict:
     """``{group name: the task module its records were tuned on}`` for the fused groups of
     ``mod`` (before fusion) that ``bind`` makes static; empty if ``bind`` names none of its
@@ -95,16 +110,33 @@ def apply_records(mod: tvm.IRModule, db, target: tvm.target.Target, static: dict
             continue
         if (func.attrs or {}).get("tirx.is_scheduled", False):
             continue
-        task = static[gv.name_hint]
-        record = db.query_tuning_record(task, target, gv.name_hint)
-        cfg = config_of(record.trace, task["main"], target) if record is not None else None
-        if cfg is None:
-            continue
-        ((_, sch),) = GemmRowTile().scheduled(s_tir.Schedule(func), target, configs=[cfg])
+        sch = _fastest_that_applies(db, gv.name_hint, static[gv.name_hint], func, target)
         if sch is None:
-            LOG.warning("ComFuse: %s: the configuration tuned at the representative size (%s) does not apply", gv.name_hint, cfg)
+            LOG.warning("ComFuse: %s: no configuration tuned at the representative size applies to its symbolic shapes", gv.name_hint)
             continue
         mod = mod.clone()
         mod[gv] = sch.mod["main"].with_attr("tirx.is_scheduled", True)
         done += 1
     return mod, done
+
+
+def _fastest_that_applies(db, name: str, task: tvm.IRModule, func: tirx.PrimFunc, target, limit: int = 64):
+    """The symbolic ``func`` scheduled with the fastest configuration recorded for ``task``
+    that applies to it, or None. Not always the fastest record's: on the H200 the best of 16
+    trials at n = 4096 recomputed rows from a C tile kept in registers, which needs M a
+    static multiple of the row tile (session 10, ``representative-tuning.json``)."""
+    if not db.has_workload(task):
+        return None
+    space = GemmRowTile().scheduled(s_tir.Schedule(task["main"]), target)
+    tried = []
+    for record in db.get_top_k(db.commit_workload(task), limit):  # an existing workload: nothing is written
+        cfg = config_of(record.trace, task["main"], target, space)
+        if cfg is None or cfg in tried:
+            continue
+        tried.append(cfg)
+        ((_, sch),) = GemmRowTile().scheduled(s_tir.Schedule(func), target, configs=[cfg], quiet=True)
+        if sch is not None:
+            LOG.info("ComFuse: %s takes the configuration recorded at %.1f us at the representative size: %s", name,
+                     sum(float(s) for s in record.run_secs) / len(record.run_secs) * 1e6, cfg)
+            return sch
+    return None

@@ -18,19 +18,29 @@ from __future__ import annotations
 from typing import Callable
 
 import tvm
+from tvm import s_tir, tirx
 from tvm.s_tir import meta_schedule as ms
 
 from ..graph.group import GEMM_REDUCE
 from ..schedule import GemmRowTile
 from ..target import is_gpu
 
-def _row_tile_space(target: tvm.target.Target) -> ms.space_generator.SpaceGenerator:
+def _row_tile_space(target: tvm.target.Target, symbolic: tirx.PrimFunc | None = None) -> ms.space_generator.SpaceGenerator:
     """The gemm_reduce rule's configurations as a MetaSchedule space. Its schedules are
-    complete (threads bound, tensorised), so no further rules, postprocessors or mutators."""
+    complete (threads bound, tensorised), so no further rules, postprocessors or mutators.
+    With ``symbolic`` (the task is its bound copy: ``comfuse tune --bind``), only the
+    configurations that also apply to it: a record is worth keeping only if the compile of
+    the symbolic module can use it (on the H200 the fastest of 16 trials could not, session 10)."""
     rule = GemmRowTile()
-    return ms.space_generator.ScheduleFn(
-        lambda sch: rule.space(sch, target), sch_rules=[], postprocs=[], mutator_probs={}
-    )
+
+    def space(sch):
+        pairs = rule.scheduled(sch, target)
+        if symbolic is None:
+            return [done for _, done in pairs]
+        usable = rule.scheduled(s_tir.Schedule(symbolic), target, configs=[cfg for cfg, _ in pairs], quiet=True)
+        return [done for (_, done), (_, sym) in zip(pairs, usable) if sym is not None]
+
+    return ms.space_generator.ScheduleFn(space, sch_rules=[], postprocs=[], mutator_probs={})
 
 
 #: ``(kind, "gpu"|"cpu") -> factory(target) -> SpaceGenerator``: ComFuse's own spaces.
@@ -50,11 +60,13 @@ def _without_auto_inline(target: tvm.target.Target) -> ms.space_generator.SpaceG
     )
 
 
-def candidates(kind: str, target: tvm.target.Target) -> list[tuple[str, Callable]]:
-    """``(label, factory)`` spaces to try for a task of ``kind``, best first."""
+def candidates(kind: str, target: tvm.target.Target, symbolic: tirx.PrimFunc | None = None) -> list[tuple[str, Callable]]:
+    """``(label, factory)`` spaces to try for a task of ``kind``, best first (``symbolic``:
+    the symbolic function a bound task stands for, see :func:`_row_tile_space`)."""
     out = []
     if (kind, _family(target)) in SPACES:
-        out.append((f"comfuse-{kind}", SPACES[(kind, _family(target))]))
+        factory = SPACES[(kind, _family(target))]
+        out.append((f"comfuse-{kind}", (lambda t: factory(t, symbolic)) if symbolic is not None else factory))
     defaults = [("default", lambda _t: "post-order-apply"), ("default-no-autoinline", _without_auto_inline)]
     if kind != "vanilla" and not is_gpu(target):
         defaults.reverse()  # the plain default crashes on fused LLVM functions, and failing costs ~25 s
@@ -62,10 +74,10 @@ def candidates(kind: str, target: tvm.target.Target) -> list[tuple[str, Callable
     return out
 
 
-def space_for(kind: str, mod: tvm.IRModule, target: tvm.target.Target):
+def space_for(kind: str, mod: tvm.IRModule, target: tvm.target.Target, symbolic: tirx.PrimFunc | None = None):
     """``(label, space generator)``: the first candidate that can generate a design space for ``mod``."""
     errors = []
-    for label, factory in candidates(kind, target):
+    for label, factory in candidates(kind, target, symbolic):
         space = factory(target)
         ctx = ms.TuneContext(mod=mod, target=target, space_generator=space, task_name="probe", num_threads=1)
         try:

@@ -34,6 +34,8 @@ class Task:
     kind: str
     mod: tvm.IRModule
     weight: int
+    #: The symbolic PrimFunc this task is the bound copy of (``comfuse tune --bind``), if any.
+    symbolic: object = None
 
 
 def fused_module(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:

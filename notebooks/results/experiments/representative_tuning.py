@@ -9,6 +9,15 @@ kernel needs static shapes).
 Prediction: the record's configuration is the one compiled (launch bounds); every n within
 fp16 tolerance; at n = 4096 the tuned build no slower than the untuned one.
 
+Outcome (H200, session 10, commit f3662c0, ``../session10-h200-2026-12-04/representative-tuning.json``
+and ``representative-logs/``): correct for every n (max error 0.003-0.011), but the tuned build
+was the untuned one (256 threads, 31.7 against 31.7 us at n = 4096): the fastest record (27.1
+us) recomputes rows from a register tile, which needs M a static multiple of the row tile, so
+the compile found no usable record and said so. Since then the search keeps to configurations
+the symbolic group can use (12 of 30 here), and a compile takes the fastest record that applies
+(for these logs 32.7 us, 16 warps: a CPU test compiles them). Not re-run on the GPU: the
+session's device time was spent.
+
 Run on the GPU: ``bash .ci/gpu-run notebooks/results/experiments/representative_tuning.py``
 (writes ``$OUT/representative-tuning.json``; the logs go to ``$OUT/logs``).
 """
