@@ -292,7 +292,7 @@ def environment() -> dict:
     except OSError:
         commit = "unknown"
     return {
-        "gpu": torch.cuda.get_device_name(0),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none (CPU)",
         "torch": torch.__version__,
         "tvm": tvm.__version__,
         "python": platform.python_version(),

@@ -606,8 +606,10 @@ def _report(records: list, target: str, t0: float) -> dict:
 
 
 def _write(report: dict, path: str) -> None:
+    from ..bench import environment  # pylint: disable=import-outside-toplevel  (torch, only for reports)
+
     with open(path, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=1)
+        json.dump({"environment": environment(), **report}, f, indent=1)
 
 
 def main(argv=None) -> int:
