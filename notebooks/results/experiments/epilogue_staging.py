@@ -32,10 +32,9 @@ import json
 import os
 
 import torch
-from wgmma_gemm import measure, postnorm_inputs, timed  # the same directory: sys.path[0] when run as a script
+from wgmma_gemm import deepest_bk32, measure, postnorm_baselines  # the same directory: sys.path[0] when run as a script
 
 from tvm_comfuse import bench
-from tvm_comfuse.schedule.wgmma_mainloop import SMEM_LIMIT, WgmmaConfig
 from tvm_comfuse.schedule.wgmma_postnorm import PostNorm, default_config, staging, wgmma_postnorm
 
 SHAPES = [(16384, 256, 1024), (4096, 768, 768), (4096, 3072, 768), (4096, 4096, 1024), (8192, 4096, 4096)]
@@ -45,31 +44,20 @@ def variants(m, k, n, spec):
     """``(name, cfg, stage)``: session 8's default unstaged, the staged default, and the staged
     tile on the deepest bk-32 ring that fits beside it."""
     old, new = default_config(n, m), default_config(n, m, k, spec)
-    deep = WgmmaConfig(64, new.bn, 2, 32, new.wg_n)
-    stages = (SMEM_LIMIT - staging(spec, deep).smem_bytes(deep)) // ((64 + new.bn) * 32 * 2)
-    deep = WgmmaConfig(64, new.bn, min(8, stages, max(2, k // 32)), 32, new.wg_n)
-    return [("unstaged", old, False), ("staged", new, None), ("staged_bk32", deep, True)]
+    return [("unstaged", old, False), ("staged", new, None), ("staged_bk32", deepest_bk32(spec, new, k), True)]
 
 
 def main():
-    rows, gen, f = [], torch.Generator(device="cuda").manual_seed(9), torch.nn.functional
+    rows, gen = [], torch.Generator(device="cuda").manual_seed(9)
     for m, k, n in SHAPES:
         spec = PostNorm.suite("float16", "layer_norm")
-        (x, w, b, r, g, be), ref, eager = postnorm_inputs(m, k, n, gen)
-        base = dict(M=m, K=k, N=n, dtype="float16", op="layer_norm")
-        compiled = torch.compile(lambda a: f.layer_norm(f.linear(a, w, b) + r, (n,), g, be), dynamic=False)  # noqa: B023
-        line = f"{m}x{k}x{n}:"
-        for name, fn in [("cublas_gemm_alone", lambda: torch.matmul(x, w.T)), ("eager", eager),  # noqa: B023
-                         ("inductor", lambda: compiled(x))]:  # noqa: B023
-            err = None if name == "cublas_gemm_alone" else float((fn().float() - ref).abs().max())
-            rows.append(timed(dict(base, contender=name, max_abs_err=err), fn))
-            line += f" {name} {rows[-1]['kernel_us']:.1f}"
-        print(line + " us device", flush=True)
+        inputs, ref, base, baselines = postnorm_baselines(m, k, n, gen)
+        rows += baselines
         for name, cfg, stage in variants(m, k, n, spec):
             row = dict(base, contender=f"wgmma_postnorm_{name}", config=dict(bn=cfg.bn, bk=cfg.bk, stages=cfg.stages, wg_n=cfg.wg_n),
                        staging=str(staging(spec, cfg, stage)))
             make = lambda: wgmma_postnorm(m, n, k, spec, cfg, stage=stage)  # noqa: E731,B023
-            rows.append(measure(row, make, [x, w, b, r, g, be], torch.empty(m, n, device="cuda", dtype=torch.float16), ref))
+            rows.append(measure(row, make, inputs, torch.empty(m, n, device="cuda", dtype=torch.float16), ref))
             print(f"  {name} {cfg}: " + (f"err {row['max_abs_err']:.3g}, {row['kernel_us']:.1f} us device" if "us" in row else row["error"]),
                   flush=True)
     out = os.path.join(os.environ.get("OUT", "."), "epilogue-staging.json")

@@ -43,11 +43,11 @@ import json
 import os
 
 import torch
-from wgmma_gemm import measure, postnorm_inputs, timed  # the same directory: sys.path[0] when run as a script
+from wgmma_gemm import deepest_bk32, measure, postnorm_baselines  # the same directory: sys.path[0] when run as a script
 
 from tvm_comfuse import bench
 from tvm_comfuse.errors import ComFuseError
-from tvm_comfuse.schedule.wgmma_mainloop import SMEM_LIMIT, WgmmaConfig, wgmma_gemm
+from tvm_comfuse.schedule.wgmma_mainloop import WgmmaConfig, wgmma_gemm
 from tvm_comfuse.schedule.wgmma_postnorm import PostNorm, default_config, staging, wgmma_postnorm
 
 SHAPES = [(16384, 256, 1024), (4096, 3072, 768), (4096, 4096, 1024), (4096, 768, 768), (8192, 4096, 4096)]
@@ -62,32 +62,24 @@ def variants(m, k, n, spec):
             cfg = default_config(n, m, k, spec, bm=bm)
         except ComFuseError:  # rows too wide for a cluster of 128-row CTAs
             continue
-        deep = WgmmaConfig(bm, cfg.bn, 2, 32, cfg.wg_n)
-        stages = (SMEM_LIMIT - staging(spec, deep).smem_bytes(deep)) // ((bm + cfg.bn) * 32 * 2)
-        deep = WgmmaConfig(bm, cfg.bn, min(8, stages, max(2, k // 32)), 32, cfg.wg_n)
+        deep = deepest_bk32(spec, cfg, k)
         found += [(f"bm{bm}", cfg)] + ([(f"bm{bm}_bk32", deep)] if deep != cfg else [])
     return found
 
 
 def main():
-    rows, gen, f = [], torch.Generator(device="cuda").manual_seed(10), torch.nn.functional
+    rows, gen = [], torch.Generator(device="cuda").manual_seed(10)
     for m, k, n in SHAPES:
         spec = PostNorm.suite("float16", "layer_norm")
-        (x, w, b, r, g, be), ref, eager = postnorm_inputs(m, k, n, gen)
-        base = dict(M=m, K=k, N=n, dtype="float16", op="layer_norm")
-        compiled = torch.compile(lambda a: f.layer_norm(f.linear(a, w, b) + r, (n,), g, be), dynamic=False)  # noqa: B023
-        line = f"{m}x{k}x{n}:"
-        for name, fn in [("cublas_gemm_alone", lambda: torch.matmul(x, w.T)), ("inductor", lambda: compiled(x))]:  # noqa: B023
-            err = None if name == "cublas_gemm_alone" else float((fn().float() - ref).abs().max())
-            rows.append(timed(dict(base, contender=name, max_abs_err=err), fn))
-            line += f" {name} {rows[-1]['kernel_us']:.1f}"
-        print(line + " us device", flush=True)
+        inputs, ref, base, baselines = postnorm_baselines(m, k, n, gen, ("cublas_gemm_alone", "inductor"))
+        rows += baselines
+        x, w = inputs[:2]
         gemm_ref = x.float() @ w.float().T
         for name, cfg in variants(m, k, n, spec):
             conf = dict(bm=cfg.bm, bn=cfg.bn, bk=cfg.bk, stages=cfg.stages, wg_n=cfg.wg_n)
             row = dict(base, contender=f"wgmma_postnorm_{name}", config=conf, staging=str(staging(spec, cfg)))
             make = lambda: wgmma_postnorm(m, n, k, spec, cfg)  # noqa: E731,B023
-            rows.append(measure(row, make, [x, w, b, r, g, be], torch.empty(m, n, device="cuda", dtype=torch.float16), ref))
+            rows.append(measure(row, make, inputs, torch.empty(m, n, device="cuda", dtype=torch.float16), ref))
             text = f"err {row['max_abs_err']:.3g}, {row['kernel_us']:.1f} us device" if "us" in row else row["error"]
             if name.endswith(str(cfg.bm)):  # the mainloop alone on the default tile: a plain GEMM, bm x bn CTAs
                 plain = WgmmaConfig(cfg.bm, cfg.bn, cfg.stages, cfg.bk, cfg.wg_n)

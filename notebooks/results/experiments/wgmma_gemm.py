@@ -30,8 +30,8 @@ import torch
 from tvm_comfuse import bench
 from tvm_comfuse.schedule.space_check import _median_us
 from tvm_comfuse.schedule.wgmma_b2b import wgmma_b2b
-from tvm_comfuse.schedule.wgmma_mainloop import WgmmaConfig, build, wgmma_gemm
-from tvm_comfuse.schedule.wgmma_postnorm import PostNorm, default_config, wgmma_postnorm
+from tvm_comfuse.schedule.wgmma_mainloop import SMEM_LIMIT, WgmmaConfig, build, wgmma_gemm
+from tvm_comfuse.schedule.wgmma_postnorm import PostNorm, default_config, staging, wgmma_postnorm
 
 import tvm
 
@@ -111,6 +111,32 @@ def postnorm_inputs(m, k, n, gen):
     x, w, b, r, g, be = rnd(m, k), rnd(n, k) / k**0.5, rnd(n), rnd(m, n), rnd(n), rnd(n)
     ref = f.layer_norm(x.float() @ w.float().T + b.float() + r.float(), (n,), g.float(), be.float())
     return [x, w, b, r, g, be], ref, lambda: f.layer_norm(torch.matmul(x, w.T) + b + r, (n,), g, be)
+
+
+def postnorm_baselines(m, k, n, gen, names=("cublas_gemm_alone", "eager", "inductor")):
+    """``(inputs, ref, base row, rows)``: :func:`postnorm_inputs` and the timed rows of the
+    library contenders ``names`` (cuBLAS's GEMM alone, eager, torch.compile), each checked
+    against ``ref`` first; prints their device times on one line."""
+    f = torch.nn.functional
+    (x, w, b, r, g, be), ref, eager = postnorm_inputs(m, k, n, gen)
+    base = dict(M=m, K=k, N=n, dtype="float16", op="layer_norm")
+    compiled = torch.compile(lambda a: f.layer_norm(f.linear(a, w, b) + r, (n,), g, be), dynamic=False)
+    fns = {"cublas_gemm_alone": lambda: torch.matmul(x, w.T), "eager": eager, "inductor": lambda: compiled(x)}
+    rows, line = [], f"{m}x{k}x{n}:"
+    for name in names:
+        err = None if name == "cublas_gemm_alone" else float((fns[name]().float() - ref).abs().max())
+        rows.append(timed(dict(base, contender=name, max_abs_err=err), fns[name]))
+        line += f" {name} {rows[-1]['kernel_us']:.1f}"
+    print(line + " us device", flush=True)
+    return [x, w, b, r, g, be], ref, base, rows
+
+
+def deepest_bk32(spec, cfg, k):
+    """``cfg``'s tile on the deepest bk-32 ring (up to 8 stages, no deeper than K's steps) that
+    fits shared memory beside its staged epilogue tiles."""
+    shallow = WgmmaConfig(cfg.bm, cfg.bn, 2, 32, cfg.wg_n)
+    stages = (SMEM_LIMIT - staging(spec, shallow).smem_bytes(shallow)) // ((cfg.bm + cfg.bn) * 32 * 2)
+    return WgmmaConfig(cfg.bm, cfg.bn, min(8, stages, max(2, k // 32)), 32, cfg.wg_n)
 
 
 def postnorm():
