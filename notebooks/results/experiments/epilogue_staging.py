@@ -28,13 +28,10 @@ profiler's device time per call. Run on the GPU:
 ``$OUT/epilogue-staging.json``).
 """
 
-import json
-import os
 
 import torch
-from wgmma_gemm import deepest_bk32, measure, postnorm_baselines  # the same directory: sys.path[0] when run as a script
+from wgmma_gemm import deepest_bk32, measure, postnorm_baselines, save  # the same directory: sys.path[0] when run as a script
 
-from tvm_comfuse import bench
 from tvm_comfuse.schedule.wgmma_postnorm import PostNorm, default_config, staging, wgmma_postnorm
 
 SHAPES = [(16384, 256, 1024), (4096, 768, 768), (4096, 3072, 768), (4096, 4096, 1024), (8192, 4096, 4096)]
@@ -60,10 +57,7 @@ def main():
             rows.append(measure(row, make, inputs, torch.empty(m, n, device="cuda", dtype=torch.float16), ref))
             print(f"  {name} {cfg}: " + (f"err {row['max_abs_err']:.3g}, {row['kernel_us']:.1f} us device" if "us" in row else row["error"]),
                   flush=True)
-    out = os.path.join(os.environ.get("OUT", "."), "epilogue-staging.json")
-    with open(out, "w", encoding="utf-8") as fh:
-        json.dump({"environment": bench.environment(), "units": "us: median CUDA-event mean of back-to-back calls; "
-                   "kernel_us: profiler device time per call", "rows": rows}, fh, indent=1)
+    save("epilogue-staging.json", rows)
 
 
 if __name__ == "__main__":

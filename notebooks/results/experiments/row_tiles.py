@@ -39,13 +39,10 @@ profiler's device time per call. Run on the GPU:
 ``bash .ci/gpu-run notebooks/results/experiments/row_tiles.py`` (writes ``$OUT/row-tiles.json``).
 """
 
-import json
-import os
 
 import torch
-from wgmma_gemm import deepest_bk32, measure, postnorm_baselines  # the same directory: sys.path[0] when run as a script
+from wgmma_gemm import deepest_bk32, measure, postnorm_baselines, save  # the same directory: sys.path[0] when run as a script
 
-from tvm_comfuse import bench
 from tvm_comfuse.errors import ComFuseError
 from tvm_comfuse.schedule.wgmma_mainloop import WgmmaConfig, wgmma_gemm
 from tvm_comfuse.schedule.wgmma_postnorm import PostNorm, default_config, staging, wgmma_postnorm
@@ -88,10 +85,7 @@ def main():
                                     torch.empty(m, n, device="cuda", dtype=torch.float16), gemm_ref))
                 text += "; plain GEMM " + (f"{row['kernel_us']:.1f} us" if "us" in row else row["error"])
             print(f"  {name} {cfg}: {text}", flush=True)
-    out = os.path.join(os.environ.get("OUT", "."), "row-tiles.json")
-    with open(out, "w", encoding="utf-8") as fh:
-        json.dump({"environment": bench.environment(), "units": "us: median CUDA-event mean of back-to-back calls; "
-                   "kernel_us: profiler device time per call", "rows": rows}, fh, indent=1)
+    save("row-tiles.json", rows)
 
 
 if __name__ == "__main__":

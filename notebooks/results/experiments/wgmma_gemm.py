@@ -97,8 +97,12 @@ def main():
                                   f"{row['vs_cublas']:.2f}x cuBLAS" if "us" in row else row["error"]), flush=True)
     rows += postnorm()
     rows += b2b()
-    out = os.path.join(os.environ.get("OUT", "."), "wgmma-gemm.json")
-    with open(out, "w", encoding="utf-8") as f:
+    save("wgmma-gemm.json", rows)
+
+
+def save(name: str, rows: list) -> None:
+    """``rows`` with the environment and the units, as ``$OUT/name``."""
+    with open(os.path.join(os.environ.get("OUT", "."), name), "w", encoding="utf-8") as f:
         json.dump({"environment": bench.environment(), "units": "us: median CUDA-event mean of back-to-back calls; "
                    "kernel_us: profiler device time per call", "rows": rows}, f, indent=1)
 
