@@ -28,7 +28,6 @@ profiler's device time per call. Run on the GPU:
 ``$OUT/epilogue-staging.json``).
 """
 
-
 import torch
 from wgmma_gemm import deepest_bk32, measure, postnorm_baselines, save  # the same directory: sys.path[0] when run as a script
 

@@ -39,7 +39,6 @@ profiler's device time per call. Run on the GPU:
 ``bash .ci/gpu-run notebooks/results/experiments/row_tiles.py`` (writes ``$OUT/row-tiles.json``).
 """
 
-
 import torch
 from wgmma_gemm import deepest_bk32, measure, postnorm_baselines, save  # the same directory: sys.path[0] when run as a script
 
