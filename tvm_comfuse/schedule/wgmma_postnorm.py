@@ -3,11 +3,12 @@
 ComFuse's row epilogue on :mod:`.wgmma_mainloop`'s accumulators. A CTA owns ``bm`` rows (64
 or 128: one or two row warpgroups) of a column slice of ``bn`` columns, split over ``wg_n``
 warpgroups (``bn / wg_n <= 256``, wgmma's N); the ``N / bn`` CTAs of a thread-block cluster own
-the whole row, so the GEMM result never leaves the chip: the elementwise chain (casts, bias and residual adds, as the graph rounds them:
-:class:`PostNorm`) runs on the fp32 accumulators in registers, each thread sums its share of
-its two rows, the partial sums meet in shared memory (4 quad lanes x ``wg_n`` warpgroups per
-row) and then across the cluster through distributed shared memory (``mapa`` +
-``ld.shared::cluster`` between cluster barriers), and the normalised row is written once.
+the whole row, so the GEMM result never leaves the chip: the elementwise chain (casts, bias and
+residual adds, as the graph rounds them: :class:`PostNorm`) runs on the fp32 accumulators in
+registers, each thread sums its share of its two rows, the partial sums meet in shared memory
+(4 quad lanes x ``wg_n`` warpgroups per row) and then across the cluster through distributed
+shared memory (``mapa`` + ``ld.shared::cluster`` between cluster barriers), and the normalised
+row is written once.
 LayerNorm takes two passes over the registers (mean, then the centred variance: no
 cancellation), RMSNorm one.
 
