@@ -277,7 +277,7 @@ def test_symbolic_rows_are_tuned_at_a_representative_size(tmp_path, capsys):
     assert "bound to {'n': 64}" in capsys.readouterr().err and _digest(work) == before
 
 
-def test_symbolic_groups_compile_with_the_configuration_tuned_at_the_representative_size(tmp_path, config_record):
+def test_symbolic_groups_compile_with_the_configuration_tuned_at_the_representative_size(tmp_path, config_record, caplog):
     """Compiling the symbolic module from logs tuned at n = 256 schedules its fused group with
     the recorded configuration (here the first one with 16 warps, where the untuned default
     has 8): the kernel is the record's, for every n."""
@@ -294,7 +294,11 @@ def test_symbolic_groups_compile_with_the_configuration_tuned_at_the_representat
         (kernel,) = [k for k in codegen.kernel_names(source) if "matmul" in k]
         return int(re.search(r"__launch_bounds__\((\d+)\)\s*" + kernel, source).group(1))
 
-    assert (threads(None), threads(str(tmp_path))) == (256, 32 * cfg.warps)
+    import logging  # pylint: disable=import-outside-toplevel
+
+    with caplog.at_level(logging.INFO, logger="tvm_comfuse"):
+        assert (threads(None), threads(str(tmp_path))) == (256, 32 * cfg.warps)
+    assert "1 of 1 fused kernels use tuned records, 0 the untuned defaults (1 symbolic" in caplog.text
 
 
 def test_bound_tasks_search_only_configurations_the_symbolic_group_can_use():

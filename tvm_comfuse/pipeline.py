@@ -184,8 +184,8 @@ def _apply_database(db: ms.Database, target: tvm.target.Target, static: dict):
         tuned = count_scheduled(fused)
         if fused:
             (LOG.warning if tuned < len(fused) else LOG.info)(
-                "ComFuse: %d of %d fused kernels use tuned records (%d of them symbolic, tuned at a representative size), "
-                "%d the untuned defaults", tuned, len(fused), symbolic, len(fused) - tuned,
+                "ComFuse: %d of %d fused kernels use tuned records, %d the untuned defaults%s", tuned, len(fused),
+                len(fused) - tuned, f" ({symbolic} symbolic, with a configuration tuned at a representative size)" if symbolic else "",
             )
         return mod
 
