@@ -171,7 +171,7 @@ def count_scheduled(funcs) -> int:
 
 def _apply_database(db: ms.Database, target: tvm.target.Target, static: dict):
     """Apply the tuned records (symbolic groups through their representative-size
-    counterparts in ``static``, GPU only), and say how many fused kernels had one (the rest
+    counterparts in ``static``, which only GPU targets have), and say how many fused kernels had one (the rest
     take the defaults of ``schedules/<arch>.json`` in the next pass)."""
     from .tune.representative import apply_records  # pylint: disable=import-outside-toplevel  (tune imports us)
 
@@ -179,7 +179,7 @@ def _apply_database(db: ms.Database, target: tvm.target.Target, static: dict):
     def _apply(mod, _ctx):
         with db:
             mod = relax.transform.MetaScheduleApplyDatabase(enable_warning=False)(mod)
-        mod, symbolic = apply_records(mod, db, target, static) if static and is_gpu(target) else (mod, 0)
+        mod, symbolic = apply_records(mod, db, target, static) if static else (mod, 0)
         fused = [f for _, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc) and KIND_ATTR in (f.attrs or {})]
         tuned = count_scheduled(fused)
         if fused:

@@ -18,7 +18,7 @@ slices rows over the fewest CTAs that fill the SMs. Why 128 rows can pay: every 
 a ``bn``-row slice of W into shared memory for ``bm`` rows of output, so 128 x 256 tiles
 (cuBLAS's shape) read W from L2 half as often per output as 64 x 512 ones. Why they are not the
 default: at N = 768 and 1024 they need four-CTA clusters, which ran in two waves on the H200
-(:data:`ROW_TILES`).
+(:data:`DEFAULT_ROWS`).
 :class:`~tvm_comfuse.transform.OffloadHopperPostNorm` puts the kernel in the Relax pipeline
 (the default on sm_90). The epilogue runs in the consumer warpgroups of the warp-specialised
 mainloop, their barriers named (the producer warpgroup leaves once its loads are issued). The
@@ -45,12 +45,12 @@ NORMS = ("layer_norm", "rms_norm")
 MAX_CONSUMERS = 2
 #: Widest row slice a 64-row CTA holds in registers: two consumer warpgroups of 256 columns.
 MAX_ROW = MAX_CONSUMERS * 256
-#: Rows a CTA owns by default, in order of preference (:func:`default_config`). 128 (two row
-#: warpgroups: ``default_config(..., bm=128)``) is correct but measured slower on the H200
-#: (session 10, ``experiments/row_tiles.py``): at N = 768 and 1024 its rows need clusters of
-#: four 1-CTA-per-SM CTAs, which do not all fit the GPCs at once, so a second wave runs
-#: (ffn2 58.5 against 35.2 us, though its plain GEMM is faster: 30.8 against 35.1).
-ROW_TILES = (64,)
+#: Rows a CTA owns by default (:func:`default_config`). 128 (two row warpgroups:
+#: ``default_config(..., bm=128)``) is correct but measured slower on the H200 (session 10,
+#: ``experiments/row_tiles.py``): at N = 768 and 1024 its rows need clusters of four
+#: 1-CTA-per-SM CTAs, of which only 30 fit the GPCs at once, so a second wave runs (ffn2 58.5
+#: against 35.2 us, though its plain GEMM is faster: 30.8 against 35.1).
+DEFAULT_ROWS = 64
 #: CTAs a row may be sliced over (a thread-block cluster; 8 is the portable maximum).
 CLUSTER_SIZES = (1, 2, 4, 8)
 #: SMs of the sm_90 parts ComFuse targets (H100 SXM, H200): what ``default_config`` fills.
@@ -171,26 +171,21 @@ def staging(spec: PostNorm, cfg: WgmmaConfig, stage: bool | None = None) -> Stag
 
 def default_config(n: int, m: int | None = None, k: int | None = None, spec: PostNorm | None = None,
                    bm: int | None = None) -> WgmmaConfig:
-    """A CTA owns ``bm`` rows (the first of :data:`ROW_TILES` that divides ``m`` and fills the
-    SMs, unless given; 64 without ``m``) of a ``bn``-column slice of the row, ``n / bn`` CTAs of
-    a cluster the whole row: the fewest slices whose accumulators fit one CTA's registers and,
+    """A CTA owns ``bm`` rows (:data:`DEFAULT_ROWS` unless given) of a ``bn``-column slice of
+    the row, ``n / bn`` CTAs of a cluster the whole row: the fewest slices whose accumulators fit one CTA's registers and,
     given ``m``, whose CTAs fill the SMs; in a slice the fewest warpgroups with wgmma N <= 256,
     and the deepest ring (up to 4 stages, no deeper than ``k``'s K steps) that fits shared
     memory beside the staged epilogue tiles of ``spec`` (given): ``bk`` 64 where three stages
     fit, else 32. Three, because a consumer holds two slots (the step it issues and the one in
     flight): with two the producer cannot load ahead, and on the H200 (session 9) the staged
     N = 1024 kernel took 85.8 us with two 64-deep stages against 61.4 with four 32-deep."""
-    tiles = (bm,) if bm else tuple(t for t in ROW_TILES if m is not None and m % t == 0) or (64,)
-    choices = []  # (bm, ranks that fit its registers, those that also fill the SMs)
-    for rows in tiles:
-        widest = MAX_ROW * 64 // rows
-        ranks = [r for r in CLUSTER_SIZES if n % r == 0 and (n // r) % 16 == 0 and n // r <= widest]
-        choices.append((rows, ranks, [r for r in ranks if m is None or m // rows * r >= 0.9 * SM_COUNT]))
-    smallest = min(choices)  # if no tile fills the SMs: the most CTAs
-    rows, ranks = next(((b, f) for b, _, f in choices if f), (smallest[0], smallest[1][-1:]))
+    rows = bm or DEFAULT_ROWS
+    widest = MAX_ROW * 64 // rows  # columns of `rows` rows one CTA's registers hold
+    ranks = [r for r in CLUSTER_SIZES if n % r == 0 and (n // r) % 16 == 0 and n // r <= widest]
     if not ranks:
-        raise ComFuseError(f"wgmma post-norm cannot slice N = {n} over at most {CLUSTER_SIZES[-1]} CTAs of "
-                           f"{MAX_ROW * 64 // rows} columns")
+        raise ComFuseError(f"wgmma post-norm cannot slice N = {n} over at most {CLUSTER_SIZES[-1]} CTAs of {widest} columns")
+    if m is not None:
+        ranks = [r for r in ranks if m // rows * r >= 0.9 * SM_COUNT] or ranks[-1:]
     bn = n // ranks[0]
     wg_n = next((w for w in range(1, 9) if bn % w == 0 and (bn // w) % 16 == 0 and bn // w <= 256 and rows // 64 * w <= MAX_CONSUMERS),
                 None)
@@ -265,6 +260,8 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
 
     region = {j: r for r, j in enumerate(stg.tiles)}  # staged operand -> its region of R
 
+    # the 64-row forms are the same values, spelled as before 128-row CTAs: their generated
+    # code stays the one measured (session 9)
     def column_part(tx):  # which of the row's wg_n column warpgroups consumer thread tx is in
         return tx // 128 % wg_n if wg_m > 1 else tx // 128
 

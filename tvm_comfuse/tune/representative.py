@@ -104,20 +104,18 @@ def config_of(trace, func: tirx.PrimFunc, target, space: list | None = None):
 def apply_records(mod: tvm.IRModule, db, target: tvm.target.Target, static: dict) -> tuple[tvm.IRModule, int]:
     """Schedule each unscheduled fused group of ``mod`` named in ``static`` with the
     configuration of its counterpart's record in ``db``: ``(module, groups scheduled)``."""
-    done = 0
+    out, done = mod.clone(), 0
     for gv, func in mod.functions_items():
-        if gv.name_hint not in static or not isinstance(func, tirx.PrimFunc) or KIND_ATTR not in (func.attrs or {}):
-            continue
-        if (func.attrs or {}).get("tirx.is_scheduled", False):
+        attrs = func.attrs or {}
+        if not isinstance(func, tirx.PrimFunc) or gv.name_hint not in static or KIND_ATTR not in attrs or attrs.get("tirx.is_scheduled", False):
             continue
         sch = _fastest_that_applies(db, gv.name_hint, static[gv.name_hint], func, target)
         if sch is None:
             LOG.warning("ComFuse: %s: no configuration tuned at the representative size applies to its symbolic shapes", gv.name_hint)
             continue
-        mod = mod.clone()
-        mod[gv] = sch.mod["main"].with_attr("tirx.is_scheduled", True)
+        out[gv] = sch.mod["main"].with_attr("tirx.is_scheduled", True)
         done += 1
-    return mod, done
+    return out, done
 
 
 def _fastest_that_applies(db, name: str, task: tvm.IRModule, func: tirx.PrimFunc, target, limit: int = 64):

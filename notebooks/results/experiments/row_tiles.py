@@ -30,7 +30,7 @@ The fused bm-128 kernels differ from their plain GEMMs by about one more mainloo
 take clusters of four CTAs (the plain GEMM needs none), each CTA alone on its SM, and fewer
 such clusters fit the GPCs at once than the 32 a wave needs, so a second wave runs (session 3
 measured the same cost on the mma.sync kernel, and session 8 on 64 x 192 slices). bk 32 rings
-changed nothing. So the default keeps 64 rows (``wgmma_postnorm.ROW_TILES``); at 64 rows the
+changed nothing. So the default keeps 64 rows (``wgmma_postnorm.DEFAULT_ROWS``); at 64 rows the
 fused kernel costs about what its plain GEMM does at K >= 3072 (35.2 against 35.1), i.e. the
 remaining gap to cuBLAS is the 64-row mainloop's, not the epilogue's.
 
