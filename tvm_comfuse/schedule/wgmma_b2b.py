@@ -118,7 +118,7 @@ def wgmma_b2b(m: int, n1: int, n2: int, k: int, dtype: str = "float16", act: str
         if wg == 0:
             producer()
             if tw == 0:
-                produce(A_map, B1_map, S, full, empty, bx * bm, 0)
+                produce(A_map, B1_map, S, S, full, empty, bx * bm, 0, 0)
                 for tile in T.serial(tiles):  # then w2, a bn2 x 64 chunk a step
                     for c in T.unroll(chunks):
                         step = T.meta_var(kt + tile * chunks + c)
@@ -127,7 +127,7 @@ def wgmma_b2b(m: int, n1: int, n2: int, k: int, dtype: str = "float16", act: str
         else:
             consumer()
             row0 = T.meta_var(bx * bm + (wg - 1) * 64)
-            consume(S, full, empty, acc1, da, db, wg - 1, tw)
+            consume(S, S, full, empty, acc1, da, db, wg - 1, tw, 0)
             for j in T.unroll(slices):  # bias, activation, fp16 pairs: the A fragments of GEMM 2
                 for p in T.unroll(4):
                     col = T.meta_var(fragment(tw, 8 * j + 2 * p)[1])

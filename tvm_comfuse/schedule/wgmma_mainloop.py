@@ -68,6 +68,10 @@ class WgmmaConfig:
     wg_n: int = 1
     #: wgmma groups a consumer keeps in flight while it waits for the next slot (0 or 1).
     inflight: int = 1
+    #: B (the weight's ``bn``-row slice, all of K) is loaded once into shared memory beside the
+    #: ring, which then carries only A: for a CTA that loops over row blocks (short K, where
+    #: re-reading W from L2 for every 64 rows costs more than the GEMM; :mod:`.wgmma_postnorm`).
+    resident: bool = False
 
     @property
     def consumers(self) -> int:
@@ -99,7 +103,12 @@ class WgmmaConfig:
 
     @property
     def smem_bytes(self) -> int:
-        return self.stages * (self.bm + self.bn) * self.bk * 2
+        """The ring's bytes (A and B tiles per slot; A only where B is resident)."""
+        return self.stages * (self.bm + (0 if self.resident else self.bn)) * self.bk * 2
+
+    def resident_bytes(self, k: int) -> int:
+        """Bytes of the resident B slice for a K of ``k`` (0 where B streams through the ring)."""
+        return self.bn * k * 2 if self.resident else 0
 
     def problems(self, m: int, n: int, k: int, dtype: str) -> list:
         """What keeps this configuration from computing an ``m x n x k`` GEMM (empty if nothing)."""
@@ -123,8 +132,9 @@ class WgmmaConfig:
         if self.consumer_regs < self.wg_cols // 2 + 32:  # ptxas: m64n256 (128 accumulators) needs 154
             found.append(f"{self.consumers} consumer warpgroups of {self.wg_cols // 2} accumulators each "
                          f"({self.consumer_regs} registers per thread: fewer warpgroups)")
-        if self.smem_bytes > SMEM_LIMIT:
-            found.append(f"{self.smem_bytes // 1024} KiB of shared memory (at most {SMEM_LIMIT // 1024}: fewer stages or a smaller bk)")
+        if self.smem_bytes + self.resident_bytes(k) > SMEM_LIMIT:
+            found.append(f"{(self.smem_bytes + self.resident_bytes(k)) // 1024} KiB of shared memory "
+                         f"(at most {SMEM_LIMIT // 1024}: fewer stages, a smaller bk{', a narrower resident B' if self.resident else ''})")
         if m % self.bm or n % self.bn or k % self.bk:
             found.append(f"M, N, K = {m}, {n}, {k} (multiples of bm = {self.bm}, bn = {self.bn}, bk = {self.bk})")
         return found
@@ -247,16 +257,20 @@ def consumer_sync(cfg: WgmmaConfig):
 
 
 def mainloop(cfg: WgmmaConfig, k: int, dtype: str):
-    """The K loop as two tirx macros, ``(produce, consume)``, over ring steps ``0 .. k / bk - 1``:
+    """The K loop as two tirx macros, ``(produce, consume)``, over ring steps ``base .. base + k
+    / bk - 1`` (``base`` 0 for one tile; a CTA that loops over tiles walks on, ``k / bk`` steps
+    a tile, so slots and phases carry over):
 
-    - ``produce(A_map, B_map, S, full, empty, a_row, b_row)``, by the producer's one thread:
-      step ``kk`` loads rows ``[a_row, + bm)`` of A and ``[b_row, + bn)`` of B, columns
-      ``[kk * bk, + bk)``, into slot ``kk % stages`` of ``S`` (``[stages, bm + bn, bk]``);
-    - ``consume(S, full, empty, acc, da, db, cw, tw)``, by consumer warpgroup ``cw`` (thread
-      ``tw`` of it): ``acc`` (``wg_cols / 2`` fp32 per thread) ends holding the thread's share of
-      the warpgroup's ``64 x wg_cols`` tile of ``A @ B.T``; ``da``, ``db`` one uint64 each for
-      the descriptors. Every slot is released when it returns."""
-    bm, bn, bk, st = cfg.bm, cfg.bn, cfg.bk, cfg.stages
+    - ``produce(A_map, B_map, S, W, full, empty, a_row, b_row, base)``, by the producer's one
+      thread: K step ``kk`` loads rows ``[a_row, + bm)`` of A and ``[b_row, + bn)`` of B (not
+      where B is resident: :func:`load_resident`), columns ``[kk * bk, + bk)``, into slot
+      ``(base + kk) % stages`` of ``S`` (``[stages, bm + bn, bk]``; ``[stages, bm, bk]`` with B resident);
+    - ``consume(S, W, full, empty, acc, da, db, cw, tw, base)``, by consumer warpgroup ``cw``
+      (thread ``tw`` of it): ``acc`` (``wg_cols / 2`` fp32 per thread) ends holding the thread's
+      share of the warpgroup's ``64 x wg_cols`` tile of ``A @ B.T``, B read from the ring or from
+      the resident ``W`` (``[k / bk, bn, bk]``; pass ``S`` where B is not resident); ``da``,
+      ``db`` one uint64 each for the descriptors. Every slot is released when it returns."""
+    bm, bn, bk, st, res = cfg.bm, cfg.bn, cfg.bk, cfg.stages, cfg.resident
     kt, acc_n, wg_cols = k // bk, cfg.wg_cols // 2, cfg.wg_cols
     mma = f"wgmma.mma_async.sync.aligned.m64n{wg_cols}k16.f32.{_PTX_TYPE[dtype]}.{_PTX_TYPE[dtype]}"
     sbo = 8 * bk * 2 >> 4  # 8 swizzled rows between core-matrix groups, in 16-byte units
@@ -267,42 +281,62 @@ def mainloop(cfg: WgmmaConfig, k: int, dtype: str):
 
     # pylint: disable=invalid-name
     @T.macro
-    def produce(A_map, B_map, S, full, empty, a_row, b_row):
+    def produce(A_map, B_map, S, W, full, empty, a_row, b_row, base):
         for kk in T.serial(kt):
-            acquire(full, empty, kk, (bm + bn) * bk * 2)
+            acquire(full, empty, base + kk, (bm + (0 if res else bn)) * bk * 2)
             for j in T.unroll(bm // a_box):
-                T.ptx[TMA_LOAD](S.ptr_to([kk % st, j * a_box, 0]), T.address_of(A_map), kk * bk, a_row + j * a_box, full.ptr_to([kk % st]))
-            for j in T.unroll(bn // b_box):
-                T.ptx[TMA_LOAD](S.ptr_to([kk % st, bm + j * b_box, 0]), T.address_of(B_map), kk * bk, b_row + j * b_box,
-                                full.ptr_to([kk % st]))
+                T.ptx[TMA_LOAD](S.ptr_to([(base + kk) % st, j * a_box, 0]), T.address_of(A_map), kk * bk, a_row + j * a_box,
+                                full.ptr_to([(base + kk) % st]))
+            if not res:
+                for j in T.unroll(bn // b_box):
+                    T.ptx[TMA_LOAD](S.ptr_to([(base + kk) % st, bm + j * b_box, 0]), T.address_of(B_map), kk * bk, b_row + j * b_box,
+                                    full.ptr_to([(base + kk) % st]))
+
+    def b_tile(S, W, slot, kk, cw, ks):  # where the warpgroup's B columns of K step kk lie
+        return W.ptr_to([kk, cw % cfg.wg_n * wg_cols, ks * 16]) if res else S.ptr_to([slot, bm + cw % cfg.wg_n * wg_cols, ks * 16])
 
     @T.macro
-    def step(S, full, acc, da, db, cw, kk):  # wait for step kk's slot, issue its wgmmas as one group
-        wait(full, kk)
+    def step(S, W, full, acc, da, db, cw, kk, base):  # wait for step base + kk's slot, issue its wgmmas as one group
+        wait(full, base + kk)
         T.ptx["wgmma.fence.sync.aligned"]()
         for ks in T.unroll(bk // 16):
             T.cuda.wgmma.encode_matrix_descriptor(
-                T.address_of(da[0]), S.ptr_to([kk % st, cw // cfg.wg_n * 64, ks * 16]), 1, sbo, _SWIZZLE[bk]
+                T.address_of(da[0]), S.ptr_to([(base + kk) % st, cw // cfg.wg_n * 64, ks * 16]), 1, sbo, _SWIZZLE[bk]
             )
-            T.cuda.wgmma.encode_matrix_descriptor(
-                T.address_of(db[0]), S.ptr_to([kk % st, bm + cw % cfg.wg_n * wg_cols, ks * 16]), 1, sbo, _SWIZZLE[bk]
-            )
+            T.cuda.wgmma.encode_matrix_descriptor(T.address_of(db[0]), b_tile(S, W, (base + kk) % st, kk, cw, ks), 1, sbo, _SWIZZLE[bk])
             T.ptx[mma](*[acc[i] for i in range(acc_n)], da[0], db[0], T.ptx.pred(kk > 0 or ks > 0), 1, 1, 0, 0)
         T.ptx["wgmma.commit_group.sync.aligned"]()
 
     @T.macro
-    def consume(S, full, empty, acc, da, db, cw, tw):
+    def consume(S, W, full, empty, acc, da, db, cw, tw, base):
         for kk in T.serial(kt - 1):
-            step(S, full, acc, da, db, cw, kk)
+            step(S, W, full, acc, da, db, cw, kk, base)
             T.ptx["wgmma.wait_group.sync.aligned"](cfg.inflight)  # step kk - inflight's group is done: its slot is free
             if kk >= cfg.inflight:
-                release(empty, kk - cfg.inflight, tw)
-        step(S, full, acc, da, db, cw, kt - 1)
+                release(empty, base + kk - cfg.inflight, tw)
+        step(S, W, full, acc, da, db, cw, kt - 1, base)
         T.ptx["wgmma.wait_group.sync.aligned"](0)
         for j in T.unroll(tail):
-            release(empty, kt - tail + j, tw)
+            release(empty, base + kt - tail + j, tw)
 
     return produce, consume
+
+
+def load_resident(cfg: WgmmaConfig, k: int):
+    """``load(B_map, W, wfull, b_row)`` (the producer's one thread, once): rows ``[b_row, +
+    bn)`` of B, all of K, into ``W`` (``[k / bk, bn, bk]``, each K step in the ring's swizzle),
+    completing on the mbarrier ``wfull`` (``[1]``, phase 0)."""
+    bk, b_box = cfg.bk, box_rows(cfg.bn)
+
+    # pylint: disable=invalid-name
+    @T.macro
+    def load(B_map, W, wfull, b_row):
+        T.ptx.mbarrier.arrive.expect_tx.shared.b64(wfull.ptr_to([0]), T.uint32(cfg.bn * k * 2))
+        for kk in T.serial(k // bk):
+            for j in T.unroll(cfg.bn // b_box):
+                T.ptx[TMA_LOAD](W.ptr_to([kk, j * b_box, 0]), T.address_of(B_map), kk * bk, b_row + j * b_box, wfull.ptr_to([0]))
+
+    return load
 
 
 def fragment(tx, i):
@@ -348,10 +382,10 @@ def wgmma_gemm(m: int, n: int, k: int, dtype: str = "float16", cfg: WgmmaConfig 
         if wg == 0:
             producer()
             if tw == 0:
-                produce(A_map, B_map, S, full, empty, bx * bm, by * bn)
+                produce(A_map, B_map, S, S, full, empty, bx * bm, by * bn, 0)
         else:
             consumer()
-            consume(S, full, empty, acc, da, db, wg - 1, tw)
+            consume(S, S, full, empty, acc, da, db, wg - 1, tw, 0)
             for q in T.unroll(acc_n // 2):  # accumulators 2q, 2q + 1: one row's adjacent columns
                 for j in T.vectorized(2):
                     row, col = T.meta_var(fragment(tw, 2 * q + j))

@@ -37,7 +37,8 @@ import tvm.script
 from tvm.script import tirx as T
 
 from ..errors import ComFuseError
-from .wgmma_mainloop import SMEM_LIMIT, TMA_LOAD, Ring, WgmmaConfig, box_rows, consumer_sync, fragment, mainloop, roles, tensor_map
+from .wgmma_mainloop import (SMEM_LIMIT, TMA_LOAD, Ring, WgmmaConfig, box_rows, consumer_sync, fragment, load_resident, mainloop, roles,
+                             tensor_map)
 
 NORMS = ("layer_norm", "rms_norm")
 #: Consumer warpgroups a CTA holds (a third would leave each of the three under the 154
@@ -55,6 +56,13 @@ DEFAULT_ROWS = 64
 CLUSTER_SIZES = (1, 2, 4, 8)
 #: SMs of the sm_90 parts ComFuse targets (H100 SXM, H200): what ``default_config`` fills.
 SM_COUNT = 132
+#: Clusters of a one-CTA-per-SM kernel the H200 runs at once, by cluster size
+#: (``cudaOccupancyMaxActiveClusters``, session 10: ``experiments/cluster_occupancy.py``): the
+#: grid of a kernel whose clusters loop over row blocks (a resident W slice).
+ACTIVE_CLUSTERS = {1: 132, 2: 66, 4: 30, 8: 15}
+#: Static shared memory of the epilogue (row partials, the cluster exchange, barriers) that a
+#: resident configuration must leave room for beside its dynamic buffer.
+STATIC_MARGIN = 8 * 1024
 #: Columns of one staged box: a 128-byte swizzled row of 2-byte elements (TMA's widest swizzle).
 BOX_COLS = 64
 TMA_STORE = "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group"
@@ -156,21 +164,56 @@ class Staging:
         return max(len(self.tiles), int(self.store))
 
     def smem_bytes(self, cfg: WgmmaConfig) -> int:
-        return self.regions * cfg.bm * cfg.bn * 2
+        """Their bytes; twice over for a CTA that loops over row blocks (the next block's tiles
+        load while this one's are read and stored)."""
+        return self.regions * cfg.bm * cfg.bn * 2 * (2 if cfg.resident else 1)
 
 
 def staging(spec: PostNorm, cfg: WgmmaConfig, stage: bool | None = None) -> Staging:
     """What the epilogue of ``cfg`` stages for ``spec``: everything it can (``stage`` True,
-    or None where it also fits shared memory beside the ring), or nothing (False)."""
+    or None where it also fits shared memory beside the ring, and always with a resident W),
+    or nothing (False)."""
     if stage is False or cfg.bn % BOX_COLS:
         return Staging()
     tiles = tuple(j for j, (d, tile) in enumerate(spec.operands) if tile and d == spec.dtype)
     full = Staging(tiles, spec.out_dtype == spec.dtype)
-    return full if stage or cfg.smem_bytes + full.smem_bytes(cfg) <= SMEM_LIMIT else Staging()
+    return full if stage or cfg.resident or cfg.smem_bytes + full.smem_bytes(cfg) <= SMEM_LIMIT else Staging()
+
+
+def static_bytes(cfg: WgmmaConfig, ranks: int) -> int:
+    """The epilogue's static shared memory: per row the partial sums of ``4 * wg_n`` threads
+    (two passes), the cluster's row partials (two passes; with a resident W each CTA receives
+    all ``ranks`` of them, for two row blocks in turn), and the mbarriers."""
+    exchange = 2 * 2 * ranks * cfg.bm * 4 if cfg.resident else 2 * cfg.bm * 4
+    return 2 * cfg.bm * 4 * cfg.wg_n * 4 + exchange + 256
+
+
+def resident_config(n: int, m: int, k: int, spec: PostNorm) -> WgmmaConfig | None:
+    """The configuration whose clusters loop over row blocks with their W slice resident in
+    shared memory (:data:`ACTIVE_CLUSTERS` of them, one wave), or None where none fits: 64 rows, the
+    fewest CTAs a row whose ``N / ranks x K`` slice, two sets of staged tiles and a ring of A
+    (at least three stages) fit beside each other, two consumer warpgroups (the epilogue's
+    threads: it is half the work here), ``bk`` 64 where K allows.
+
+    Why (session 10): at 16384x256x1024 the streaming kernel reads its 256 KiB W slice from L2
+    for every 64 rows, 128 MiB in all against 72 MiB of HBM traffic, and took 54 us where
+    cuBLAS's GEMM alone takes 19; resident, W is read once per CTA and the kernel moves only
+    x, the residual and the output."""
+    bk = 64 if k % 64 == 0 else 32
+    for ranks in CLUSTER_SIZES:
+        bn = n // ranks
+        if n % ranks or bn % BOX_COLS or bn > MAX_ROW or (m // 64) < 2 * ACTIVE_CLUSTERS[ranks]:
+            continue
+        wg_n = 2 if (bn // 2) % 16 == 0 and bn // 2 <= 256 else 1
+        for stages in (4, 3):
+            cfg = WgmmaConfig(bm=64, bn=bn, stages=stages, bk=bk, wg_n=wg_n, resident=True)
+            if not problems(m, n, k, spec, cfg):
+                return cfg
+    return None
 
 
 def default_config(n: int, m: int | None = None, k: int | None = None, spec: PostNorm | None = None,
-                   bm: int | None = None) -> WgmmaConfig:
+                   bm: int | None = None, resident: bool | None = None) -> WgmmaConfig:
     """A CTA owns ``bm`` rows (:data:`DEFAULT_ROWS` unless given) of a ``bn``-column slice of
     the row, ``n / bn`` CTAs of a cluster the whole row: the fewest slices whose accumulators fit one CTA's registers and,
     given ``m``, whose CTAs fill the SMs; in a slice the fewest warpgroups with wgmma N <= 256,
@@ -178,7 +221,15 @@ def default_config(n: int, m: int | None = None, k: int | None = None, spec: Pos
     memory beside the staged epilogue tiles of ``spec`` (given): ``bk`` 64 where three stages
     fit, else 32. Three, because a consumer holds two slots (the step it issues and the one in
     flight): with two the producer cannot load ahead, and on the H200 (session 9) the staged
-    N = 1024 kernel took 85.8 us with two 64-deep stages against 61.4 with four 32-deep."""
+    N = 1024 kernel took 85.8 us with two 64-deep stages against 61.4 with four 32-deep.
+    ``resident``: the :func:`resident_config` where one fits (None, the default: where it
+    fits; True: raise where none does; False: never)."""
+    if resident is not False and isinstance(m, int) and isinstance(k, int) and spec is not None and bm in (None, 64):
+        cfg = resident_config(n, m, k, spec)
+        if cfg is not None:
+            return cfg
+        if resident:
+            raise ComFuseError(f"wgmma post-norm: no resident W slice fits M, N, K = {m}, {n}, {k}")
     rows = bm or DEFAULT_ROWS
     widest = MAX_ROW * 64 // rows  # columns of `rows` rows one CTA's registers hold
     ranks = [r for r in CLUSTER_SIZES if n % r == 0 and (n // r) % 16 == 0 and n // r <= widest]
@@ -214,10 +265,20 @@ def problems(m, n, k, spec: PostNorm, cfg: WgmmaConfig | None = None, stage: boo
     if cfg.consumers > MAX_CONSUMERS or n % cfg.bn or n // cfg.bn not in CLUSTER_SIZES:
         found.append(f"{cfg} (a CTA owns 64 rows of an N / {list(CLUSTER_SIZES)} slice of at most {MAX_ROW} columns, "
                      f"or 128 rows of at most {MAX_ROW // 2})")
-    if stage and cfg.bn % BOX_COLS:
+    if (stage or cfg.resident) and cfg.bn % BOX_COLS:
         found.append(f"staged epilogue tiles with bn = {cfg.bn} (whole {BOX_COLS}-column boxes)")
-    elif cfg.smem_bytes + staging(spec, cfg, stage).smem_bytes(cfg) > SMEM_LIMIT:
+    elif cfg.smem_bytes + cfg.resident_bytes(k) + staging(spec, cfg, stage).smem_bytes(cfg) > SMEM_LIMIT:
         found.append(f"{cfg} with its staged epilogue tiles: over {SMEM_LIMIT // 1024} KiB of shared memory (fewer stages)")
+    elif cfg.resident:
+        stg = staging(spec, cfg, stage)
+        total = cfg.smem_bytes + cfg.resident_bytes(k) + stg.smem_bytes(cfg) + static_bytes(cfg, n // cfg.bn)
+        if stage is False or not stg.store or len(stg.tiles) != sum(tile for _, tile in spec.operands):
+            found.append(f"a resident W with an epilogue not staged whole (its tiles in {spec.dtype} and the output in "
+                         f"{spec.dtype}, by TMA): the streaming kernel")
+        elif total > 227 * 1024:
+            found.append(f"{cfg}: {total // 1024} KiB of shared memory with the exchange buffers (at most 227: fewer stages)")
+        if cfg.bm != 64:
+            found.append(f"a resident W with bm = {cfg.bm} (64 rows a block)")
     return found + cfg.problems(m, n, k, spec.dtype)
 
 
@@ -236,8 +297,13 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
     acc_n, wg_cols, parts, rms = cfg.wg_cols // 2, cfg.wg_cols, 4 * cfg.wg_n, spec.norm == "rms_norm"
     bm, wg_m, wg_n, slice_n, ranks = cfg.bm, cfg.bm // 64, cfg.wg_n, cfg.bn, n // cfg.bn
     stg, boxes = staging(spec, cfg, stage), cfg.bn // BOX_COLS
-    ring_elems, tile_bytes = cfg.stages * (bm + slice_n) * cfg.bk, bm * slice_n * 2
+    res, kt, blocks = cfg.resident, k // cfg.bk, m // bm
+    # a resident W: the cluster loops over row blocks, its tiles staged twice over (``bufs``)
+    grid, bufs = (min(blocks, ACTIVE_CLUSTERS[ranks]), 2) if res else (blocks, 1)
+    ring_elems, tile_bytes = cfg.smem_bytes // 2, bm * slice_n * 2
+    staged_elems = stg.regions * bufs * bm * slice_n
     produce, consume = mainloop(cfg, k, spec.dtype)
+    load_w = load_resident(cfg, k)
     init = Ring(cfg.stages, cfg.consumers).init()
     producer, consumer = roles(cfg)
     sync = consumer_sync(cfg)
@@ -258,7 +324,8 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
         ``r`` at ``c ^ r % 8``)."""
         return row // 64, col // BOX_COLS, row % 64, (col % BOX_COLS // 8 ^ row % 8) * 8 + col % 8
 
-    region = {j: r for r, j in enumerate(stg.tiles)}  # staged operand -> its region of R
+    region = {j: r for r, j in enumerate(stg.tiles)}  # staged operand -> its region of R (in a set of regions)
+    regions = max(1, stg.regions)
 
     # the 64-row forms are the same values, spelled as before 128-row CTAs: their generated
     # code stays the one measured (session 9)
@@ -271,15 +338,15 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
     def first_row(tx):  # the first row of its warpgroup in the CTA's tile (0 for 64-row CTAs)
         return tx // 128 // wg_n * 64 if wg_m > 1 else 0
 
-    def chain(v, p0, p1, R, row, col, lrow, lcol):
+    def chain(v, p0, p1, R, row, col, lrow, lcol, slot):
         """The elementwise chain on fp32 value ``v`` at global ``(row, col)``, local ``(lrow,
         lcol)`` in the CTA's tile (plain Python, run while the kernel is parsed: one expression
-        per accumulator); staged operands are read from their region of ``R``."""
+        per accumulator); staged operands are read from their region of ``R``'s set ``slot``."""
         for step in spec.steps:
             if step.op == "add":
                 j = step.operand
                 buf, tile = (p0, p1)[j], spec.operands[j][1]
-                val = R[(region[j], *swizzled(lrow, lcol))] if j in region else buf[row, col] if tile else buf[col]
+                val = R[(slot * regions + region[j], *swizzled(lrow, lcol))] if j in region else buf[row, col] if tile else buf[col]
                 v = v + T.cast(val, "float32")
             if step.dtype != "float32":
                 v = T.cast(T.cast(v, step.dtype), "float32")
@@ -292,50 +359,79 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
         return y if beta is None else y + T.cast(beta[col], "float32")
 
     @T.macro
-    def store(out, out2, R, row, col, lrow, lcol, y):
+    def store(out, out2, R, row, col, lrow, lcol, y, slot):
         if stg.store:  # in place of the first staged tile: each element is one thread's
             half, box, srow, scol = T.meta_var(swizzled(lrow, lcol))
-            R[0, half, box, srow, scol] = T.cast(y, spec.out_dtype)
+            R[slot * regions, half, box, srow, scol] = T.cast(y, spec.out_dtype)
         else:
             out[row, col] = T.cast(y, spec.out_dtype)
         if out2 is not None:
             out2[row, col] = y
 
     @T.macro
-    def load_tile(t_map, R, r, rfull, bx, rk):
+    def load_tile(t_map, R, r, rfull, bx, rk, slot):
         for h in T.unroll(wg_m):
             for b in T.unroll(boxes):
-                T.ptx[TMA_LOAD](R.ptr_to([r, h, b, 0, 0]), T.address_of(t_map), rk * slice_n + b * BOX_COLS, bx * bm + h * 64,
-                                rfull.ptr_to([0]))
+                T.ptx[TMA_LOAD](R.ptr_to([slot * regions + r, h, b, 0, 0]), T.address_of(t_map), rk * slice_n + b * BOX_COLS,
+                                bx * bm + h * 64, rfull.ptr_to([slot]))
 
     @T.macro
-    def stage_in(t0_map, t1_map, R, rfull, bx, rk):
-        """The producer's first loads: the staged tiles of CTA (``bx``, ``rk``), on ``rfull``."""
-        T.ptx.mbarrier.arrive.expect_tx.shared.b64(rfull.ptr_to([0]), T.uint32(len(stg.tiles) * tile_bytes))
+    def stage_in(t0_map, t1_map, R, rfull, bx, rk, slot):
+        """The producer's loads of the staged tiles of row block ``bx``, slice ``rk``, into
+        region set ``slot`` of ``R``, on ``rfull[slot]``."""
+        T.ptx.mbarrier.arrive.expect_tx.shared.b64(rfull.ptr_to([slot]), T.uint32(len(stg.tiles) * tile_bytes))
         if len(stg.tiles) > 0:
-            load_tile(t0_map, R, 0, rfull, bx, rk)
+            load_tile(t0_map, R, 0, rfull, bx, rk, slot)
         if len(stg.tiles) > 1:
-            load_tile(t1_map, R, 1, rfull, bx, rk)
+            load_tile(t1_map, R, 1, rfull, bx, rk, slot)
 
     @T.macro
-    def stage_out(out_map, R, tx, bx, rk):
-        """The output tile from region 0 of ``R`` to global memory, one TMA store per box, after
-        every consumer thread's writes are visible to the async proxy."""
+    def stage_out(out_map, R, remp, tx, bx, rk, slot):
+        """The output tile from the first region of set ``slot`` of ``R`` to global memory, one
+        TMA store per box, after every consumer thread's writes are visible to the async proxy;
+        with a resident W, the set is then handed back to the producer (``remp[slot]``)."""
         T.ptx["fence.proxy.async.shared::cta"]()
         sync()
         if tx == 0:
             for h in T.unroll(wg_m):
                 for b in T.unroll(boxes):
-                    T.ptx[TMA_STORE](T.address_of(out_map), rk * slice_n + b * BOX_COLS, bx * bm + h * 64, R.ptr_to([0, h, b, 0, 0]))
+                    T.ptx[TMA_STORE](T.address_of(out_map), rk * slice_n + b * BOX_COLS, bx * bm + h * 64,
+                                     R.ptr_to([slot * regions, h, b, 0, 0]))
             T.ptx["cp.async.bulk.commit_group"]()
             T.ptx["cp.async.bulk.wait_group.read"](0)  # the CTA's shared memory outlives the reads
+            if res:
+                T.ptx.mbarrier.arrive.shared.b64(remp.ptr_to([slot]), T.uint32(1))
 
     # pylint: disable=invalid-name,unused-variable,too-many-locals,too-many-arguments
     @T.macro
-    def row_total(part, rowpart, peer, got, tx, s, stat, p, col):
+    def push_rows(rowx, xbar, peer, tx, stat, p, col, rk, slot, phase):
+        """With a resident W (the producer never meets a cluster barrier: it runs a block
+        ahead), the row partials go to every CTA of the cluster by ``st.async``, each landing in
+        the receiver's ``rowx[slot, p, rk]`` and completing bytes on its mbarrier
+        ``xbar[2 * slot + p]``; every CTA then sums the ``ranks`` partials in rank order, as the
+        barrier exchange does. ``slot`` alternates between row blocks, so a CTA a block ahead
+        writes where nobody still reads: it has received this CTA's partials of the block in between."""
+        r0 = T.meta_var(first_row(tx) + fragment(tx, 0)[0])
+        if leads_rows(tx) and tx % 4 == 0:
+            for h in T.unroll(2):
+                for q in T.unroll(ranks):
+                    T.ptx["mapa.shared::cluster.u32"](peer[0], T.cuda.cvta_generic_to_shared(rowx.ptr_to([slot, p, rk, r0 + 8 * h])), T.uint32(q))
+                    T.ptx["mapa.shared::cluster.u32"](peer[1], T.cuda.cvta_generic_to_shared(xbar.ptr_to([2 * slot + p])), T.uint32(q))
+                    T.ptx["st_async.shared::cluster.mbarrier::complete_tx::bytes.f32"](peer[0], stat[h, col], peer[1])
+        if tx == 0:
+            T.ptx.mbarrier.arrive.expect_tx.shared.b64(xbar.ptr_to([2 * slot + p]), T.uint32(ranks * bm * 4))
+        T.cuda.mbarrier_wait(xbar.ptr_to([2 * slot + p]), phase)
+        for h in T.unroll(2):
+            stat[h, col] = T.float32(0)
+            for q in T.unroll(ranks):
+                stat[h, col] = stat[h, col] + rowx[slot, p, q, r0 + 8 * h]
+
+    @T.macro
+    def row_total(part, rowpart, xbar, peer, got, tx, s, stat, p, col, rk, slot, phase):
         """``stat[h, col]`` = the sum over the whole row ``r0 + 8h`` of what the threads hold in
         ``s[h]``: across quad lanes and the row's warpgroups through ``part``, across the
-        cluster's CTAs (the row's column slices) through distributed shared memory."""
+        cluster's CTAs (the row's column slices) through distributed shared memory (read after
+        a cluster barrier, or pushed: :func:`push_rows`)."""
         r0 = T.meta_var(first_row(tx) + fragment(tx, 0)[0])  # in the CTA's tile
         for h in T.unroll(2):
             part[p, r0 + 8 * h, column_part(tx) * 4 + tx % 4] = s[h]
@@ -344,7 +440,9 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
             stat[h, col] = T.float32(0)
             for j in T.unroll(parts):
                 stat[h, col] = stat[h, col] + part[p, r0 + 8 * h, j]
-        if ranks > 1:
+        if ranks > 1 and res:
+            push_rows(rowpart, xbar, peer, tx, stat, p, col, rk, slot, phase)
+        elif ranks > 1:
             if leads_rows(tx) and tx % 4 == 0:  # one writer per row: quad leaders of its first warpgroup
                 for h in T.unroll(2):
                     rowpart[p, r0 + 8 * h] = stat[h, col]
@@ -357,14 +455,16 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
                     stat[h, col] = stat[h, col] + got[0]
 
     @T.macro
-    def epilogue(P0, P1, gamma, beta, out, out2, out_map, R, rfull, acc, tx, bx, rk):
-        """The chain and the norm on the accumulators of consumer thread ``tx``, rows of CTA
-        ``bx``, columns of its slice ``rk``."""
+    def epilogue(P0, P1, gamma, beta, out, out2, out_map, R, rfull, remp, xbar, acc, tx, bx, rk, slot, phase):
+        """The chain and the norm on the accumulators of consumer thread ``tx``, rows of row
+        block ``bx``, columns of its slice ``rk``; staged tiles in set ``slot`` of ``R``, in
+        their ``phase`` (0 without a resident W: one block a CTA)."""
         part = T.alloc_shared([2, bm, parts], "float32")  # per row: 4 quad lanes x wg_n warpgroups
-        rowpart = T.alloc_shared([2, bm], "float32")  # per row: this CTA's slice, read by the cluster
+        # per row: this CTA's slice, read by the cluster (a resident W: every rank's, pushed, for two blocks in turn)
+        rowpart = T.alloc_shared([2, 2, ranks, bm] if res else [2, bm], "float32")
         s = T.alloc_local([2], "float32")  # this thread's partial sums of its rows r0 and r0 + 8
         stat = T.alloc_local([2, 2], "float32")  # [row half, mean / rstd]
-        peer = T.alloc_local([1], "uint32")
+        peer = T.alloc_local([2 if res else 1], "uint32")
         got = T.alloc_local([1], "float32")
         l0 = T.meta_var(column_part(tx) * wg_cols)  # the warpgroup's first column in the slice
         lr = T.meta_var(first_row(tx))  # and its first row in the CTA's tile
@@ -372,15 +472,15 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
         for h in T.unroll(2):
             s[h] = T.float32(0)
         if len(stg.tiles) > 0:
-            T.cuda.mbarrier_wait(rfull.ptr_to([0]), 0)
+            T.cuda.mbarrier_wait(rfull.ptr_to([slot]), phase)
         # accumulators 2q and 2q + 1 are one row's adjacent columns: vector loads and stores
         for q in T.unroll(acc_n // 2):
             for j in T.vectorized(2):
                 row, col = T.meta_var(fragment(tx, 2 * q + j))
-                acc[2 * q + j] = chain(acc[2 * q + j], P0, P1, R, bx * bm + lr + row, c0 + col, lr + row, l0 + col)
+                acc[2 * q + j] = chain(acc[2 * q + j], P0, P1, R, bx * bm + lr + row, c0 + col, lr + row, l0 + col, slot)
         for i in T.unroll(acc_n):
             s[i // 2 % 2] = s[i // 2 % 2] + square(acc[i])
-        row_total(part, rowpart, peer, got, tx, s, stat, 0, 0)
+        row_total(part, rowpart, xbar, peer, got, tx, s, stat, 0, 0, rk, slot, phase)
         for h in T.unroll(2):
             stat[h, 0] = stat[h, 0] / T.float32(n)  # mean, or mean square for RMSNorm
         if not rms:
@@ -388,7 +488,7 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
                 s[h] = T.float32(0)
             for i in T.unroll(acc_n):
                 s[i // 2 % 2] = s[i // 2 % 2] + (acc[i] - stat[i // 2 % 2, 0]) * (acc[i] - stat[i // 2 % 2, 0])
-            row_total(part, rowpart, peer, got, tx, s, stat, 1, 1)
+            row_total(part, rowpart, xbar, peer, got, tx, s, stat, 1, 1, rk, slot, phase)
         for h in T.unroll(2):
             if rms:
                 stat[h, 1] = T.rsqrt(stat[h, 0] + T.float32(spec.eps))
@@ -399,46 +499,83 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
             for j in T.vectorized(2):
                 row, col = T.meta_var(fragment(tx, 2 * q + j))
                 y = T.meta_var((acc[2 * q + j] - stat[q % 2, 0]) * stat[q % 2, 1] * T.cast(gamma[c0 + col], "float32"))
-                store(out, out2, R, bx * bm + lr + row, c0 + col, lr + row, l0 + col, shift(y, beta, c0 + col))
+                store(out, out2, R, bx * bm + lr + row, c0 + col, lr + row, l0 + col, shift(y, beta, c0 + col), slot)
         if stg.store:
-            stage_out(out_map, R, tx, bx, rk)
-        if ranks > 1:
+            stage_out(out_map, R, remp, tx, bx, rk, slot)
+        if ranks > 1 and not res:
             T.cuda.cluster_sync()  # no CTA leaves while the cluster may still read its rowpart
 
     @T.macro
     def body(x_map, w_map, t0_map, t1_map, out_map, P0, P1, gamma, beta, out, out2):
         if ranks > 1:
-            bx = T.cluster_id([m // bm])
+            bx = T.cluster_id([grid])
             rk = T.cta_id_in_cluster([ranks])
         else:
-            bx = T.cta_id([m // bm])
+            bx = T.cta_id([grid])
             rk = 0
         wg = T.warpgroup_id([cfg.consumers + 1])
         tw = T.thread_id_in_wg([128])
-        # one dynamic buffer (tirx allows one): the ring, then the staged regions (1 KiB aligned)
-        flat = T.alloc_shared([ring_elems + stg.regions * bm * slice_n], spec.dtype, scope="shared.dyn", align=1024)
-        S = T.decl_buffer([cfg.stages, bm + slice_n, cfg.bk], spec.dtype, data=flat.data, scope="shared.dyn")
-        R = T.decl_buffer([max(1, stg.regions), wg_m, max(1, boxes), 64, BOX_COLS], spec.dtype, data=flat.data,
+        # one dynamic buffer (tirx allows one): the ring, the staged regions, the resident W (1 KiB aligned)
+        flat = T.alloc_shared([ring_elems + staged_elems + cfg.resident_bytes(k) // 2], spec.dtype, scope="shared.dyn", align=1024)
+        S = T.decl_buffer([cfg.stages, bm + (0 if res else slice_n), cfg.bk], spec.dtype, data=flat.data, scope="shared.dyn")
+        R = T.decl_buffer([regions * bufs, wg_m, max(1, boxes), 64, BOX_COLS], spec.dtype, data=flat.data,
                           elem_offset=ring_elems, scope="shared.dyn")
+        W = T.decl_buffer([kt, slice_n, cfg.bk], spec.dtype, data=flat.data, elem_offset=ring_elems + staged_elems, scope="shared.dyn")
         full = T.alloc_shared([cfg.stages], "uint64", scope="shared", align=8)
         empty = T.alloc_shared([cfg.stages], "uint64", scope="shared", align=8)
-        rfull = T.alloc_shared([1], "uint64", scope="shared", align=8)
+        rfull = T.alloc_shared([bufs], "uint64", scope="shared", align=8)
         acc = T.alloc_local([acc_n], "float32")
         da = T.alloc_local([1], "uint64")
         db = T.alloc_local([1], "uint64")
-        if wg * 128 + tw == 0:  # before the ring's init: its fence and CTA barrier cover this one
-            T.ptx.mbarrier.init.shared.b64(rfull.ptr_to([0]), T.uint32(1))
-        init(full, empty, wg * 128 + tw)
-        if wg == 0:
-            producer()
-            if tw == 0:
-                if len(stg.tiles) > 0:
-                    stage_in(t0_map, t1_map, R, rfull, bx, rk)
-                produce(x_map, w_map, S, full, empty, bx * bm, rk * slice_n)
+        if not res:
+            if wg * 128 + tw == 0:  # before the ring's init: its fence and CTA barrier cover this one
+                T.ptx.mbarrier.init.shared.b64(rfull.ptr_to([0]), T.uint32(1))
+            init(full, empty, wg * 128 + tw)
+            if wg == 0:
+                producer()
+                if tw == 0:
+                    if len(stg.tiles) > 0:
+                        stage_in(t0_map, t1_map, R, rfull, bx, rk, 0)
+                    produce(x_map, w_map, S, S, full, empty, bx * bm, rk * slice_n, 0)
+            else:
+                consumer()
+                consume(S, S, full, empty, acc, da, db, wg - 1, tw, 0)
+                epilogue(P0, P1, gamma, beta, out, out2, out_map, R, rfull, rfull, rfull, acc, (wg - 1) * 128 + tw, bx,
+                         rk, 0, 0)
         else:
-            consumer()
-            consume(S, full, empty, acc, da, db, wg - 1, tw)
-            epilogue(P0, P1, gamma, beta, out, out2, out_map, R, rfull, acc, (wg - 1) * 128 + tw, bx, rk)
+            remp = T.alloc_shared([2], "uint64", scope="shared", align=8)  # a staged set's store has read it
+            xbar = T.alloc_shared([4], "uint64", scope="shared", align=8)  # [set, pass]: the cluster's row partials
+            wfull = T.alloc_shared([1], "uint64", scope="shared", align=8)
+            if wg * 128 + tw == 0:
+                for j in T.unroll(2):
+                    T.ptx.mbarrier.init.shared.b64(rfull.ptr_to([j]), T.uint32(1))
+                    T.ptx.mbarrier.init.shared.b64(remp.ptr_to([j]), T.uint32(1))
+                for j in T.unroll(4):
+                    T.ptx.mbarrier.init.shared.b64(xbar.ptr_to([j]), T.uint32(1))
+                T.ptx.mbarrier.init.shared.b64(wfull.ptr_to([0]), T.uint32(1))
+            init(full, empty, wg * 128 + tw)
+            if ranks > 1:
+                T.cuda.cluster_sync()  # every CTA's barriers exist before a peer pushes to them
+            iters = T.meta_var((blocks - 1 - bx) // grid + 1)  # row blocks bx, bx + grid, ...
+            if wg == 0:
+                producer()
+                if tw == 0:  # the W slice once, then A block after block through the ring
+                    load_w(w_map, W, wfull, rk * slice_n)
+                    for it in T.serial(iters):
+                        produce(x_map, w_map, S, W, full, empty, (bx + it * grid) * bm, rk * slice_n, it * kt)
+                if tw == 32:  # the staged tiles, a block ahead (a second warp: its waits do not hold up A)
+                    for it in T.serial(iters):
+                        T.cuda.mbarrier_wait(remp.ptr_to([it % 2]), (it // 2) % 2 ^ 1)
+                        stage_in(t0_map, t1_map, R, rfull, bx + it * grid, rk, it % 2)
+            else:
+                consumer()
+                T.cuda.mbarrier_wait(wfull.ptr_to([0]), 0)
+                for it in T.serial(iters):
+                    consume(S, W, full, empty, acc, da, db, wg - 1, tw, it * kt)
+                    epilogue(P0, P1, gamma, beta, out, out2, out_map, R, rfull, remp, xbar, acc, (wg - 1) * 128 + tw,
+                             bx + it * grid, rk, it % 2, (it // 2) % 2)
+            if ranks > 1:
+                T.cuda.cluster_sync()  # no CTA leaves while a peer may still push to it
 
     # the parameter list depends on the spec (beta, a second output): the signature is
     # generated, the body is the macro above

@@ -1,0 +1,59 @@
+"""Does a resident W slice make the short-K post-norm faster? (issues 3 and 8)
+
+At 16384x256x1024 the Hopper post-norm took 54 us where cuBLAS's GEMM alone takes 19 and
+torch.compile 44 (session 10). Its 512 CTAs (64 rows x 512 columns, clusters of two) each read
+their 256 KiB slice of W from L2 for a GEMM of four K steps: 128 MiB of L2 reads against the 72
+MiB that x, the residual and the output move through HBM, and each CTA's epilogue then ran with
+nothing else in flight on its SM.
+
+The resident kernel (``WgmmaConfig(resident=True)``, :func:`~tvm_comfuse.schedule.wgmma_postnorm.resident_config`)
+launches one wave of clusters (30 clusters of four 64 x 256 CTAs here); each CTA loads its W
+slice into shared memory once and loops over row blocks: the producer warpgroup streams x
+through the ring and, from a second warp, the next block's residual tile into the other of two
+staged sets, while the consumers run the current block's GEMM and epilogue; the output leaves by
+TMA store from the set it was read from. The row statistics cross the cluster by ``st.async``
+onto mbarriers, since the producer, a block ahead, never meets a cluster barrier.
+
+Prediction: correct everywhere; 16384x256x1024 from ~54 to 25-32 us (the HBM traffic at ~3
+TB/s plus a block's epilogue), faster than torch.compile; the other short-K shapes likewise
+well under their streaming kernels; at M = 4096 (two blocks a cluster) no gain.
+
+Outcome: (filled in from the H200 run)
+
+Same inputs for every contender, correctness checked before timing; ``kernel_us`` is the
+profiler's device time per call. Run on the GPU:
+``bash .ci/gpu-run notebooks/results/experiments/resident_weight.py`` (writes ``$OUT/resident-weight.json``).
+"""
+
+import dataclasses
+
+import torch
+from wgmma_gemm import measure, postnorm_baselines, save  # the same directory: sys.path[0] when run as a script
+
+from tvm_comfuse.schedule.wgmma_postnorm import PostNorm, default_config, wgmma_postnorm
+
+#: (M, K, N): the suite's wide-short-k, narrower and deeper neighbours, more rows, and few rows.
+SHAPES = [(16384, 256, 1024), (16384, 256, 768), (16384, 512, 1024), (65536, 256, 1024), (16384, 1024, 256), (4096, 256, 1024)]
+
+
+def main():
+    rows, gen = [], torch.Generator(device="cuda").manual_seed(11)
+    spec = PostNorm.suite("float16", "layer_norm")
+    for m, k, n in SHAPES:
+        resident = default_config(n, m, k, spec)
+        if not resident.resident:
+            print(f"{m}x{k}x{n}: no resident configuration", flush=True)
+            continue
+        inputs, ref, base, baselines = postnorm_baselines(m, k, n, gen, ("cublas_gemm_alone", "inductor"))
+        rows += baselines
+        for name, cfg in (("streaming", default_config(n, m, k, spec, resident=False)), ("resident", resident)):
+            row = dict(base, contender=f"wgmma_postnorm_{name}", config=dataclasses.asdict(cfg))
+            make = lambda: wgmma_postnorm(m, n, k, spec, cfg)  # noqa: E731,B023
+            rows.append(measure(row, make, inputs, torch.empty(m, n, device="cuda", dtype=torch.float16), ref))
+            text = f"err {row['max_abs_err']:.3g}, {row['kernel_us']:.1f} us device" if "us" in row else row["error"]
+            print(f"  {name} {cfg}: {text}", flush=True)
+    save("resident-weight.json", rows)
+
+
+if __name__ == "__main__":
+    main()
