@@ -262,7 +262,7 @@ def problems(m, n, k, spec: PostNorm, cfg: WgmmaConfig | None = None, stage: boo
         cfg = cfg or default_config(n, m, k, spec)
     except ComFuseError as err:
         return found + [str(err)]
-    if cfg.consumers > MAX_CONSUMERS or n % cfg.bn or n // cfg.bn not in CLUSTER_SIZES:
+    if cfg.bm * cfg.bn > 64 * MAX_ROW or n % cfg.bn or n // cfg.bn not in CLUSTER_SIZES:
         found.append(f"{cfg} (a CTA owns 64 rows of an N / {list(CLUSTER_SIZES)} slice of at most {MAX_ROW} columns, "
                      f"or 128 rows of at most {MAX_ROW // 2})")
     if (stage or cfg.resident) and cfg.bn % BOX_COLS:

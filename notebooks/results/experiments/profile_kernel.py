@@ -3,6 +3,8 @@
 ``ncu --set detailed -k regex:main_kernel python notebooks/results/experiments/profile_kernel.py
 M K N '{"bm": 32, ...}'`` shows where that configuration's time goes (throughputs of L2,
 shared memory and HBM, warp stall reasons); the default configuration when none is given.
+``... M K N wgmma '{"resident": false}'`` (``-k regex:postnorm``) does the same for the Hopper
+kernel, its default configuration with those fields replaced (session 11).
 """
 
 import json
@@ -17,8 +19,28 @@ from tvm_comfuse.schedule.gemm_reduce import GemmRowTile, _schedule
 from tvm_comfuse.schedule.space_check import build_kernel, fused_group
 
 
+def hopper(M, K, N, overrides: dict):
+    """The fused Hopper post-norm of ``LayerNorm(x @ w.T + b + r)``, run three times."""
+    import dataclasses  # pylint: disable=import-outside-toplevel
+
+    from tvm_comfuse.schedule import wgmma_mainloop as wm, wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
+
+    spec = wp.PostNorm.suite("float16", "layer_norm")
+    cfg = dataclasses.replace(wp.default_config(N, M, K, spec, resident=overrides.pop("resident", None)), **overrides)
+    kernel = wm.build(wp.wgmma_postnorm(M, N, K, spec, cfg))["main"]
+    shapes = [(M, K), (N, K), (N,), (M, N), (N,), (N,), (M, N)]
+    args = [tvm.runtime.from_dlpack(torch.randn(*s, device="cuda", dtype=torch.float16)) for s in shapes]
+    for _ in range(3):
+        kernel(*args)
+    torch.cuda.synchronize()
+    print(cfg)
+
+
 def main():
     M, K, N = (int(v) for v in (sys.argv[1:4] if len(sys.argv) > 3 else (4096, 768, 768)))
+    if len(sys.argv) > 4 and sys.argv[4] == "wgmma":
+        hopper(M, K, N, json.loads(sys.argv[5]) if len(sys.argv) > 5 else {})
+        return
     target = tvm.target.Target.from_device(tvm.cuda(0))
     func = fused_group(wl.post_norm(M, K, N, "float16", "layer_norm", linear=True), target)
     sch = tvm.s_tir.Schedule(func)

@@ -30,23 +30,38 @@ import dataclasses
 import torch
 from wgmma_gemm import measure, postnorm_baselines, save  # the same directory: sys.path[0] when run as a script
 
-from tvm_comfuse.schedule.wgmma_postnorm import PostNorm, default_config, wgmma_postnorm
+from tvm_comfuse.errors import ComFuseError
+from tvm_comfuse.schedule.wgmma_postnorm import PostNorm, default_config, problems, wgmma_postnorm
 
-#: (M, K, N): the suite's wide-short-k, narrower and deeper neighbours, more rows, and few rows.
-SHAPES = [(16384, 256, 1024), (16384, 256, 768), (16384, 512, 1024), (65536, 256, 1024), (16384, 1024, 256), (4096, 256, 1024)]
+#: (M, K, N): the suite's wide-short-k, a narrower neighbour, and two BERT shapes (streaming only).
+SHAPES = [(16384, 256, 1024), (16384, 256, 768), (4096, 768, 768), (4096, 3072, 768)]
+
+
+def variants(m, k, n, spec):
+    """``(name, cfg)``: the streaming and the resident default, each also with four consumer
+    warpgroups (twice the epilogue's warps, a quarter of the slice each) where that fits."""
+    found = []
+    for name, resident in (("streaming", False), ("resident", True)):
+        try:
+            cfg = default_config(n, m, k, spec, resident=resident)
+        except ComFuseError:
+            continue
+        found.append((name, cfg))
+        for stages in range(cfg.stages, 1, -1):
+            wide = dataclasses.replace(cfg, wg_n=4, stages=stages)
+            if not problems(m, n, k, spec, wide):
+                found.append((name + "_wg4", wide))
+                break
+    return found
 
 
 def main():
     rows, gen = [], torch.Generator(device="cuda").manual_seed(11)
     spec = PostNorm.suite("float16", "layer_norm")
     for m, k, n in SHAPES:
-        resident = default_config(n, m, k, spec)
-        if not resident.resident:
-            print(f"{m}x{k}x{n}: no resident configuration", flush=True)
-            continue
         inputs, ref, base, baselines = postnorm_baselines(m, k, n, gen, ("cublas_gemm_alone", "inductor"))
         rows += baselines
-        for name, cfg in (("streaming", default_config(n, m, k, spec, resident=False)), ("resident", resident)):
+        for name, cfg in variants(m, k, n, spec):
             row = dict(base, contender=f"wgmma_postnorm_{name}", config=dataclasses.asdict(cfg))
             make = lambda: wgmma_postnorm(m, n, k, spec, cfg)  # noqa: E731,B023
             rows.append(measure(row, make, inputs, torch.empty(m, n, device="cuda", dtype=torch.float16), ref))
