@@ -316,7 +316,7 @@ def test_wgmma_mainloop_compiles_to_wgmma_for_sm90a(dtype, cfg):
 
 
 @pytest.mark.parametrize("kernel", ["gemm", "gemm_one_step", "postnorm_768", "postnorm_768_bk32", "postnorm_512_cluster",
-                                    "postnorm_1024", "rms_norm", "b2b", "b2b_bm64"])
+                                    "postnorm_1024", "rms_norm", "b2b", "b2b_bm64", "postnorm_resident"])
 def test_wgmma_kernels_read_accumulators_only_after_the_last_wait(kernel):
     """No SASS instruction touches a wgmma accumulator while a wgmma group may still write it.
     ptxas hoists epilogue arithmetic above the final ``wait_group 0`` when the K loop leaves a
@@ -336,6 +336,7 @@ def test_wgmma_kernels_read_accumulators_only_after_the_last_wait(kernel):
         "rms_norm": lambda: wp.wgmma_postnorm(256, 256, 128, wp.PostNorm.suite("float16", "rms_norm")),
         "b2b": lambda: wb.wgmma_b2b(1024, 256, 1024, 1024, "float16", "gelu"),
         "b2b_bm64": lambda: wb.wgmma_b2b(1024, 64, 1024, 1024, "float16", "gelu", 64),
+        "postnorm_resident": lambda: wp.wgmma_postnorm(16384, 1024, 256, ln, wm.WgmmaConfig(64, 256, 3, 64, 2, 1, True)),
     }[kernel]()
     sass = codegen.sass(codegen.compile_with_nvcc(codegen.cuda_source(wm.build(func)), "sm_90a"))
     assert "HGMMA" in sass
@@ -428,6 +429,63 @@ def test_wgmma_postnorm_default_ring_loads_ahead_of_a_staged_epilogue(M, K, N):
     assert staged == wp.Staging((1,), True)
     assert cfg.stages >= 3 and cfg.smem_bytes + staged.smem_bytes(cfg) <= wm.SMEM_LIMIT
     assert wp.problems(M, N, K, spec) == []
+
+
+def test_wgmma_postnorm_resident_weight_loops_over_row_blocks():
+    """A resident W (session 11): one wave of clusters (the H200's 30 four-CTA clusters), each
+    CTA's W slice loaded once by TMA beside a ring that carries x only, the staged tiles twice
+    over, and the row partials pushed to every CTA of the cluster by st.async onto mbarriers: the
+    only cluster barriers are the one after the barriers' init and the one before exit."""
+    from tvm_comfuse.schedule import wgmma_mainloop as wm, wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
+
+    spec = wp.PostNorm.suite()
+    cfg = wp.default_config(1024, 16384, 256, spec, resident=True)
+    assert cfg == wm.WgmmaConfig(64, 256, 3, 64, 2, 1, True) and not wp.default_config(1024, 16384, 256, spec).resident
+    assert cfg.smem_bytes == 3 * 64 * 64 * 2 and cfg.resident_bytes(256) == 256 * 256 * 2
+    source = codegen.cuda_source(wm.build(wp.wgmma_postnorm(16384, 1024, 256, spec, cfg)))
+    assert "(255 - tvm_builtin_ptx_fetch_register_clusterid_x()) / 30" in source  # 256 row blocks over 30 clusters
+    ptx = codegen.compile_with_nvcc(source, "sm_90a", fmt="ptx").decode()
+    assert "st.async.shared::cluster.mbarrier::complete_tx::bytes.f32" in ptx and "ld.shared::cluster" not in ptx
+    assert ptx.count("barrier.cluster.arrive") == 2
+    assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16" in ptx
+
+
+def test_wgmma_postnorm_resident_weight_refuses_what_it_cannot_hold():
+    """Where no W slice fits shared memory beside the ring and the staged tiles, or the epilogue
+    is not staged, the resident kernel is refused with the reason."""
+    from tvm_comfuse.schedule import wgmma_mainloop as wm, wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
+
+    spec = wp.PostNorm.suite()
+    assert wp.resident_config(768, 4096, 3072, spec) is None
+    with pytest.raises(cf.ComFuseError, match="no resident W slice fits"):
+        wp.default_config(768, 4096, 3072, spec, resident=True)
+    cfg = wm.WgmmaConfig(64, 256, 3, 64, 2, 1, True)
+    assert any("not staged whole" in p for p in wp.problems(16384, 1024, 256, spec, cfg, stage=False))
+    assert any("shared memory" in p for p in wp.problems(16384, 1024, 512, spec, cfg))
+
+
+@pytest.mark.parametrize("dtype, bits, low, top", [("float16", 11, -24, 65504.0), ("bfloat16", 8, -133, 3.3895313892515355e38)])
+def test_sixteen_bit_adds_equal_the_fp32_sum_rounded(dtype, bits, low, top):
+    """The post-norm chain adds 16-bit operands to a value already rounded to 16 bits with one
+    16-bit add: that it equals the graph's fp32 add rounded to 16 bits is the double-rounding
+    theorem (24 >= 2 * 11 + 2). Checked here against the exact sum (fp64 holds any sum of two
+    fp16 or bf16 values exactly) rounded once, to nearest even, by hand (``bits`` significant
+    bits, quantum at least 2^``low``, overflow past ``top``), over random pairs of every
+    magnitude, subnormals included."""
+    import ml_dtypes  # pylint: disable=import-outside-toplevel
+    import numpy as np  # pylint: disable=import-outside-toplevel
+
+    d = np.float16 if dtype == "float16" else ml_dtypes.bfloat16
+    raw = np.random.default_rng(0).integers(0, 1 << 16, size=(2, 1 << 20), dtype=np.uint16)
+    a, b = (v.view(d).astype(np.float64) for v in raw)
+    ok = np.isfinite(a) & np.isfinite(b)
+    exact = a[ok] + b[ok]
+    quantum = np.exp2(np.maximum(np.frexp(exact)[1] - bits, low))
+    once = np.rint(exact / quantum) * quantum  # round half to even, once
+    once = np.where(np.abs(once) > top, np.copysign(np.inf, exact), once)
+    with np.errstate(over="ignore"):
+        via_fp32 = (a[ok].astype(np.float32) + b[ok].astype(np.float32)).astype(d).astype(np.float64)
+    assert np.array_equal(once, via_fp32), np.flatnonzero(once != via_fp32)[:5]
 
 
 def test_wgmma_postnorm_refuses_rows_it_cannot_hold():

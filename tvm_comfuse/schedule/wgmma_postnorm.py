@@ -213,7 +213,7 @@ def resident_config(n: int, m: int, k: int, spec: PostNorm) -> WgmmaConfig | Non
 
 
 def default_config(n: int, m: int | None = None, k: int | None = None, spec: PostNorm | None = None,
-                   bm: int | None = None, resident: bool | None = None) -> WgmmaConfig:
+                   bm: int | None = None, resident: bool = False) -> WgmmaConfig:
     """A CTA owns ``bm`` rows (:data:`DEFAULT_ROWS` unless given) of a ``bn``-column slice of
     the row, ``n / bn`` CTAs of a cluster the whole row: the fewest slices whose accumulators fit one CTA's registers and,
     given ``m``, whose CTAs fill the SMs; in a slice the fewest warpgroups with wgmma N <= 256,
@@ -222,14 +222,13 @@ def default_config(n: int, m: int | None = None, k: int | None = None, spec: Pos
     fit, else 32. Three, because a consumer holds two slots (the step it issues and the one in
     flight): with two the producer cannot load ahead, and on the H200 (session 9) the staged
     N = 1024 kernel took 85.8 us with two 64-deep stages against 61.4 with four 32-deep.
-    ``resident``: the :func:`resident_config` where one fits (None, the default: where it
-    fits; True: raise where none does; False: never)."""
-    if resident is not False and isinstance(m, int) and isinstance(k, int) and spec is not None and bm in (None, 64):
-        cfg = resident_config(n, m, k, spec)
-        if cfg is not None:
-            return cfg
-        if resident:
-            raise ComFuseError(f"wgmma post-norm: no resident W slice fits M, N, K = {m}, {n}, {k}")
+    ``resident``: the :func:`resident_config` instead (raise where none fits); not the default,
+    which it beat on the H200 at only one of five short-K shapes (:data:`RESIDENT_MEASURED`)."""
+    if resident:
+        cfg = resident_config(n, m, k, spec) if isinstance(m, int) and isinstance(k, int) and spec is not None and bm in (None, 64) else None
+        if cfg is None:
+            raise ComFuseError(f"wgmma post-norm: no resident W slice fits M, N, K = {m}, {n}, {k} (needs static M, K and the spec)")
+        return cfg
     rows = bm or DEFAULT_ROWS
     widest = MAX_ROW * 64 // rows  # columns of `rows` rows one CTA's registers hold
     ranks = [r for r in CLUSTER_SIZES if n % r == 0 and (n // r) % 16 == 0 and n // r <= widest]
@@ -341,16 +340,27 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
     def chain(v, p0, p1, R, row, col, lrow, lcol, slot):
         """The elementwise chain on fp32 value ``v`` at global ``(row, col)``, local ``(lrow,
         lcol)`` in the CTA's tile (plain Python, run while the kernel is parsed: one expression
-        per accumulator); staged operands are read from their region of ``R``'s set ``slot``."""
+        per accumulator); staged operands are read from their region of ``R``'s set ``slot``.
+
+        An add whose value is already rounded to the step's 16-bit dtype, of an operand in that
+        dtype, is one 16-bit add: IEEE addition rounded once to 11 (or 8) bits equals the fp32 sum
+        rounded again (fp32's 24 bits are at least twice as many plus two: double rounding is
+        innocuous), so it is the graph's value, in one instruction instead of an unpack, an fp32
+        add and a repack per element (session 11: the epilogue's instructions bound the kernel)."""
+        cur = "float32"  # the dtype v is held in
         for step in spec.steps:
             if step.op == "add":
                 j = step.operand
                 buf, tile = (p0, p1)[j], spec.operands[j][1]
                 val = R[(slot * regions + region[j], *swizzled(lrow, lcol))] if j in region else buf[row, col] if tile else buf[col]
-                v = v + T.cast(val, "float32")
-            if step.dtype != "float32":
-                v = T.cast(T.cast(v, step.dtype), "float32")
-        return v
+                if cur == step.dtype == spec.operands[j][0] != "float32":
+                    v = v + val
+                    continue
+                v = (v if cur == "float32" else T.cast(v, "float32")) + T.cast(val, "float32")
+                cur = "float32"
+            if step.dtype != cur:
+                v, cur = T.cast(v if cur == "float32" else T.cast(v, "float32"), step.dtype), step.dtype
+        return v if cur == "float32" else T.cast(v, "float32")
 
     def square(v):  # what the first pass sums: the value (LayerNorm's mean), or its square (RMSNorm's)
         return v * v if rms else v

@@ -26,7 +26,7 @@ def hopper(M, K, N, overrides: dict):
     from tvm_comfuse.schedule import wgmma_mainloop as wm, wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
 
     spec = wp.PostNorm.suite("float16", "layer_norm")
-    cfg = dataclasses.replace(wp.default_config(N, M, K, spec, resident=overrides.pop("resident", None)), **overrides)
+    cfg = dataclasses.replace(wp.default_config(N, M, K, spec, resident=overrides.pop("resident", False)), **overrides)
     kernel = wm.build(wp.wgmma_postnorm(M, N, K, spec, cfg))["main"]
     shapes = [(M, K), (N, K), (N,), (M, N), (N,), (N,), (M, N)]
     args = [tvm.runtime.from_dlpack(torch.randn(*s, device="cuda", dtype=torch.float16)) for s in shapes]
