@@ -269,6 +269,7 @@ def test_gpu_wgmma_postnorm_matches_torch(M, N, K, dtype, norm, cfg, stage):
 @pytest.mark.parametrize("M, K, N, dtype, norm, batch", [
     (4096, 768, 768, "float16", "layer_norm", None), (128, 3072, 768, "float16", "layer_norm", 2),
     (512, 256, 512, "bfloat16", "rms_norm", None), (512, 512, 4096, "float16", "layer_norm", None),
+    (8192, 256, 768, "bfloat16", "layer_norm", 2),  # 16384 rows: the resident W by default
 ])
 def test_gpu_hopper_pipeline_matches_pytorch(M, K, N, dtype, norm, batch):
     """``get_pipeline(..., hopper=True)`` end to end: the post-norm group runs as the wgmma

@@ -212,8 +212,19 @@ def resident_config(n: int, m: int, k: int, spec: PostNorm) -> WgmmaConfig | Non
     return None
 
 
+def resident_pays(cfg: WgmmaConfig, k: int) -> bool:
+    """Whether a resident configuration is the default: where its ring holds all of a row
+    block's K steps, so the producer loads the next block's x while this block's epilogue runs.
+    On the H200 (session 11, ``experiments/resident_weight.py``) that split the six measured
+    shapes: with ``stages >= K / bk`` it beat the streaming kernel by 15% and 22% (16384 and
+    65536 x 256 x 768: 33.8 against 39.8 us, 116.4 against 149.9, the latter faster than
+    torch.compile's 123.8); with a shallower ring it lost at all four (16384x256x1024 52.8
+    against 49.7; K = 512 and 1024; M = 4096)."""
+    return cfg.resident and cfg.stages >= k // cfg.bk
+
+
 def default_config(n: int, m: int | None = None, k: int | None = None, spec: PostNorm | None = None,
-                   bm: int | None = None, resident: bool = False) -> WgmmaConfig:
+                   bm: int | None = None, resident: bool | None = None) -> WgmmaConfig:
     """A CTA owns ``bm`` rows (:data:`DEFAULT_ROWS` unless given) of a ``bn``-column slice of
     the row, ``n / bn`` CTAs of a cluster the whole row: the fewest slices whose accumulators fit one CTA's registers and,
     given ``m``, whose CTAs fill the SMs; in a slice the fewest warpgroups with wgmma N <= 256,
@@ -222,13 +233,14 @@ def default_config(n: int, m: int | None = None, k: int | None = None, spec: Pos
     fit, else 32. Three, because a consumer holds two slots (the step it issues and the one in
     flight): with two the producer cannot load ahead, and on the H200 (session 9) the staged
     N = 1024 kernel took 85.8 us with two 64-deep stages against 61.4 with four 32-deep.
-    ``resident``: the :func:`resident_config` instead (raise where none fits); not the default,
-    which it beat on the H200 at only one of five short-K shapes (:data:`RESIDENT_MEASURED`)."""
-    if resident:
+    ``resident``: the :func:`resident_config` (True: raise where none fits; False: never; None,
+    the default: where its ring holds a whole row block's K steps, see :func:`resident_pays`)."""
+    if resident is not False:
         cfg = resident_config(n, m, k, spec) if isinstance(m, int) and isinstance(k, int) and spec is not None and bm in (None, 64) else None
-        if cfg is None:
+        if cfg is None and resident:
             raise ComFuseError(f"wgmma post-norm: no resident W slice fits M, N, K = {m}, {n}, {k} (needs static M, K and the spec)")
-        return cfg
+        if cfg is not None and (resident or resident_pays(cfg, k)):
+            return cfg
     rows = bm or DEFAULT_ROWS
     widest = MAX_ROW * 64 // rows  # columns of `rows` rows one CTA's registers hold
     ranks = [r for r in CLUSTER_SIZES if n % r == 0 and (n // r) % 16 == 0 and n // r <= widest]
@@ -258,7 +270,7 @@ def problems(m, n, k, spec: PostNorm, cfg: WgmmaConfig | None = None, stage: boo
     if not all(isinstance(d, int) for d in (m, n, k)):
         return found + [f"symbolic shape M, N, K = {m}, {n}, {k} (static only)"]
     try:
-        cfg = cfg or default_config(n, m, k, spec)
+        cfg = cfg or default_config(n, m, k, spec, resident=False if stage is False else None)
     except ComFuseError as err:
         return found + [str(err)]
     if cfg.bm * cfg.bn > 64 * MAX_ROW or n % cfg.bn or n // cfg.bn not in CLUSTER_SIZES:
@@ -292,7 +304,7 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
     found = problems(m, n, k, spec, cfg, stage)
     if found:
         raise ComFuseError("wgmma post-norm cannot take " + "; ".join(found))
-    cfg = cfg or default_config(n, m, k, spec)
+    cfg = cfg or default_config(n, m, k, spec, resident=False if stage is False else None)
     acc_n, wg_cols, parts, rms = cfg.wg_cols // 2, cfg.wg_cols, 4 * cfg.wg_n, spec.norm == "rms_norm"
     bm, wg_m, wg_n, slice_n, ranks = cfg.bm, cfg.bm // 64, cfg.wg_n, cfg.bn, n // cfg.bn
     stg, boxes = staging(spec, cfg, stage), cfg.bn // BOX_COLS
