@@ -442,7 +442,7 @@ def test_wgmma_postnorm_resident_weight_loops_over_row_blocks():
     cfg = wp.default_config(1024, 16384, 256, spec, resident=True)
     assert cfg == wm.WgmmaConfig(64, 256, 3, 64, 2, 1, True)
     # the default where the ring holds a row block's four K steps (measured faster), not where it holds three
-    assert not wp.default_config(1024, 16384, 256, spec).resident and not wp.resident_pays(cfg, 256)
+    assert not wp.default_config(1024, 16384, 256, spec).resident and not wp.resident_pays(cfg, 16384, 1024, 256)
     assert wp.default_config(768, 16384, 256, spec) == wm.WgmmaConfig(64, 192, 4, 64, 2, 1, True)
     assert not wp.default_config(768, 16384, 256, spec, resident=False).resident
     assert cfg.smem_bytes == 3 * 64 * 64 * 2 and cfg.resident_bytes(256) == 256 * 256 * 2

@@ -212,15 +212,17 @@ def resident_config(n: int, m: int, k: int, spec: PostNorm) -> WgmmaConfig | Non
     return None
 
 
-def resident_pays(cfg: WgmmaConfig, k: int) -> bool:
+def resident_pays(cfg: WgmmaConfig, m: int, n: int, k: int) -> bool:
     """Whether a resident configuration is the default: where its ring holds all of a row
-    block's K steps, so the producer loads the next block's x while this block's epilogue runs.
+    block's K steps, so the producer loads the next block's x while this block's epilogue runs,
+    and each cluster has eight row blocks or more to spread its W slice's load over.
     On the H200 (session 11, ``experiments/resident_weight.py``) that split the six measured
     shapes: with ``stages >= K / bk`` it beat the streaming kernel by 15% and 22% (16384 and
     65536 x 256 x 768: 33.8 against 39.8 us, 116.4 against 149.9, the latter faster than
     torch.compile's 123.8); with a shallower ring it lost at all four (16384x256x1024 52.8
-    against 49.7; K = 512 and 1024; M = 4096)."""
-    return cfg.resident and cfg.stages >= k // cfg.bk
+    against 49.7; K = 512 and 1024; M = 4096). The wins had 8.5 and 34 blocks a cluster."""
+    blocks = m // cfg.bm / ACTIVE_CLUSTERS[n // cfg.bn]
+    return cfg.resident and cfg.stages >= k // cfg.bk and blocks >= 8
 
 
 def default_config(n: int, m: int | None = None, k: int | None = None, spec: PostNorm | None = None,
@@ -239,7 +241,7 @@ def default_config(n: int, m: int | None = None, k: int | None = None, spec: Pos
         cfg = resident_config(n, m, k, spec) if isinstance(m, int) and isinstance(k, int) and spec is not None and bm in (None, 64) else None
         if cfg is None and resident:
             raise ComFuseError(f"wgmma post-norm: no resident W slice fits M, N, K = {m}, {n}, {k} (needs static M, K and the spec)")
-        if cfg is not None and (resident or resident_pays(cfg, k)):
+        if cfg is not None and (resident or resident_pays(cfg, m, n, k)):
             return cfg
     rows = bm or DEFAULT_ROWS
     widest = MAX_ROW * 64 // rows  # columns of `rows` rows one CTA's registers hold
