@@ -56,13 +56,26 @@ def variants(m, k, n, spec, wide=False):
     return found
 
 
+def more_ranks(m, k, n, spec):
+    """Resident configurations over more CTAs a row than the default's (narrower W slices, so
+    a deeper ring fits beside them), the deepest ring (up to 4 stages) each."""
+    found, first = [], default_config(n, m, k, spec, resident=True)
+    for ranks in (r for r in (2, 4, 8) if r > n // first.bn and n % r == 0):
+        for stages in (4, 3, 2):
+            cfg = dataclasses.replace(first, bn=n // ranks, stages=stages)
+            if not problems(m, n, k, spec, cfg):
+                found.append((f"resident_r{ranks}", cfg))
+                break
+    return found
+
+
 def main():
     rows, gen = [], torch.Generator(device="cuda").manual_seed(11)
     spec = PostNorm.suite("float16", "layer_norm")
     for m, k, n in SHAPES:
         inputs, ref, base, baselines = postnorm_baselines(m, k, n, gen, ("cublas_gemm_alone", "inductor"))
         rows += baselines
-        for name, cfg in variants(m, k, n, spec):
+        for name, cfg in variants(m, k, n, spec) + (more_ranks(m, k, n, spec) if (m, k, n) == SHAPES[0] else []):
             row = dict(base, contender=f"wgmma_postnorm_{name}", config=dataclasses.asdict(cfg))
             make = lambda: wgmma_postnorm(m, n, k, spec, cfg)  # noqa: E731,B023
             rows.append(measure(row, make, inputs, torch.empty(m, n, device="cuda", dtype=torch.float16), ref))
