@@ -26,6 +26,13 @@ epilogue's tiles move by TMA where they fit (:class:`Staging`): the residual is 
 shared memory while the K loop runs and the output leaves by TMA stores, which took the kernel
 from 18.4 to 14.0 us at 4096x768x768 and from 78.2 to 53.9 at 16384x256x1024 on the H200
 (session 9, ``notebooks/results/session9-h200-2026-12-04/``).
+
+Short K, many rows (``WgmmaConfig.resident``, session 11): one wave of clusters, each CTA's W
+slice loaded once into shared memory, the CTA looping over row blocks while its producer
+streams x through the ring and, from a second warp, the next block's residual into the other of
+two staged sets; the row partials then cross the cluster by ``st.async`` onto mbarriers (the
+producer, a block ahead, never meets a cluster barrier). The default where it measured faster
+(:func:`resident_pays`): 15-22% at N = 768, K = 256.
 """
 
 from __future__ import annotations
@@ -220,7 +227,9 @@ def resident_pays(cfg: WgmmaConfig, m: int, n: int, k: int) -> bool:
     shapes: with ``stages >= K / bk`` it beat the streaming kernel by 15% and 22% (16384 and
     65536 x 256 x 768: 33.8 against 39.8 us, 116.4 against 149.9, the latter faster than
     torch.compile's 123.8); with a shallower ring it lost at all four (16384x256x1024 52.8
-    against 49.7; K = 512 and 1024; M = 4096). The wins had 8.5 and 34 blocks a cluster."""
+    against 49.7; K = 512 and 1024; M = 4096). The wins had 8.5 and 34 blocks a cluster. Depth
+    is necessary, not sufficient: at 16384x256x1024 eight-CTA clusters (128-column slices, four
+    stages) lost too (55.4 against 50.1); :func:`resident_config` takes the fewest CTAs a row."""
     blocks = m // cfg.bm / ACTIVE_CLUSTERS[n // cfg.bn]
     return cfg.resident and cfg.stages >= k // cfg.bk and blocks >= 8
 

@@ -18,7 +18,33 @@ Prediction: correct everywhere; 16384x256x1024 from ~54 to 25-32 us (the HBM tra
 TB/s plus a block's epilogue), faster than torch.compile; the other short-K shapes likewise
 well under their streaming kernels; at M = 4096 (two blocks a cluster) no gain.
 
-Outcome: (filled in from the H200 run)
+Outcome (H200, session 11, device us, all correct with the streaming kernel's max error).
+Refuted at the shape it was built for, held at its neighbour:
+
+    M x K x N        cuBLAS  torch.compile  streaming  resident  (commit)
+    16384x256x1024    19.4       43.5          53.7       56.6    5e720d9
+    16384x256x768     15.3       32.3          42.8       36.4    5e720d9
+    16384x512x1024    29.7       55.1          64.8       89.0    5e720d9 (8-CTA clusters)
+    16384x1024x256    14.5       22.8          25.0       55.8    5e720d9 (64-column slices)
+    4096x256x1024      6.4       12.5          12.8       17.1    5e720d9 (2 blocks a cluster)
+    16384x256x1024    19.3       43.3          49.7       52.8    c44421c (16-bit adds in the chain)
+    16384x256x768     15.1       32.3          39.8       33.8    c44421c
+    65536x256x768     53.0      123.8         149.9      116.4    c44421c (faster than torch.compile)
+    16384x256x1024    19.4       43.7          50.1       53.1    6dd327e; 8-CTA clusters, 4 stages: 55.4
+
+``resident-weight.json`` (6dd327e), ``-c44421c``, ``-5e720d9``, and ``-wg4-a1f1668`` (four
+consumer warpgroups, twice the epilogue's warps: slower everywhere, 56.0 against 53.8 streaming
+and 64.8 against 56.4 resident at 16384x256x1024) in ``../session11-h200-2026-12-04/``.
+Where it won, the ring held all four K steps of a row block (the producer loads the next
+block's x during this block's epilogue); where it lost, it did not, or the cluster had few
+blocks: that is the default's rule (``wgmma_postnorm.resident_pays``). The W traffic was not
+what bound the streaming kernel at 16384x256x1024: Nsight Compute on the resident kernel
+(``ncu-resident-a1f1668.txt``) shows 18% DRAM and 12% L2 throughput, 12 warps a SM, and warps
+stalled on barriers (2.1 cycles per issued instruction) and long scoreboard (2.1) as much as
+they issue: the epilogue's ~25 instructions per element, run by eight consumer warps, are the
+time. The 16-bit adds (one instruction where an unpack, an fp32 add and a repack were)
+removed 16% of the resident kernel's instructions and took the streaming kernel from 53.7 to
+49.7 us.
 
 Same inputs for every contender, correctness checked before timing; ``kernel_us`` is the
 profiler's device time per call. Run on the GPU:
