@@ -48,8 +48,10 @@ from .wgmma_mainloop import (SMEM_LIMIT, TMA_LOAD, Ring, WgmmaConfig, box_rows, 
                              tensor_map)
 
 NORMS = ("layer_norm", "rms_norm")
-#: Consumer warpgroups a CTA holds (a third would leave each of the three under the 154
-#: registers ptxas needs for a 256-wide wgmma, once the producer warpgroup has its 40).
+#: Consumer warpgroups of the default configurations (a third would leave each of the three under
+#: the 154 registers ptxas needs for a 256-wide wgmma, once the producer warpgroup has its 40).
+#: A given configuration may have up to four narrower ones, as the registers allow: measured
+#: slower on the H200 (session 11, ``experiments/resident_weight.py``).
 MAX_CONSUMERS = 2
 #: Widest row slice a 64-row CTA holds in registers: two consumer warpgroups of 256 columns.
 MAX_ROW = MAX_CONSUMERS * 256
@@ -67,9 +69,9 @@ SM_COUNT = 132
 #: (``cudaOccupancyMaxActiveClusters``, session 10: ``experiments/cluster_occupancy.py``): the
 #: grid of a kernel whose clusters loop over row blocks (a resident W slice).
 ACTIVE_CLUSTERS = {1: 132, 2: 66, 4: 30, 8: 15}
-#: Static shared memory of the epilogue (row partials, the cluster exchange, barriers) that a
-#: resident configuration must leave room for beside its dynamic buffer.
-STATIC_MARGIN = 8 * 1024
+#: Shared memory a thread block may use on sm_90, dynamic and static together: what a resident
+#: configuration's buffers and its exchange buffers (:func:`static_bytes`) must fit.
+SMEM_TOTAL = 227 * 1024
 #: Columns of one staged box: a 128-byte swizzled row of 2-byte elements (TMA's widest swizzle).
 BOX_COLS = 64
 TMA_STORE = "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group"
@@ -297,8 +299,9 @@ def problems(m, n, k, spec: PostNorm, cfg: WgmmaConfig | None = None, stage: boo
         if stage is False or not stg.store or len(stg.tiles) != sum(tile for _, tile in spec.operands):
             found.append(f"a resident W with an epilogue not staged whole (its tiles in {spec.dtype} and the output in "
                          f"{spec.dtype}, by TMA): the streaming kernel")
-        elif total > 227 * 1024:
-            found.append(f"{cfg}: {total // 1024} KiB of shared memory with the exchange buffers (at most 227: fewer stages)")
+        elif total > SMEM_TOTAL:
+            found.append(f"{cfg}: {total // 1024} KiB of shared memory with the exchange buffers "
+                         f"(at most {SMEM_TOTAL // 1024}: fewer stages)")
         if cfg.bm != 64:
             found.append(f"a resident W with bm = {cfg.bm} (64 rows a block)")
     return found + cfg.problems(m, n, k, spec.dtype)
@@ -573,6 +576,7 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
             else:
                 consumer()
                 consume(S, S, full, empty, acc, da, db, wg - 1, tw, 0)
+                # (no set of its own to hand back nor pushed partials: rfull stands in for remp and xbar)
                 epilogue(P0, P1, gamma, beta, out, out2, out_map, R, rfull, rfull, rfull, acc, (wg - 1) * 128 + tw, bx,
                          rk, 0, 0)
         else:
