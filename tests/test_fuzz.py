@@ -44,6 +44,22 @@ def test_one_column_row_reductions_are_not_grouped():
     assert fuzz.check(case)["ok"]
 
 
+def test_hopper_family_is_deterministic_models_post_norm_blocks_and_agrees_on_llvm():
+    """The hopper family (``--family hopper``): post-norm blocks as models export them, in both
+    adds' orders, both norms, all three tails, the shapes the wgmma kernel slices (rows a
+    multiple of 64, the resident 16384 x 256 x 768 among them); the small ones agree with vanilla
+    TVM on llvm (the GPU run is where the wgmma kernel meets them)."""
+    cases = [fuzz.generate_hopper(s) for s in range(200)]
+    assert cases == [fuzz.generate_hopper(s) for s in range(200)]
+    assert all(c.linear and c.dtype in ("float16", "bfloat16") and c.M % 64 == 0 and c.K % 32 == 0 for c in cases)
+    shapes = {c.describe().split(" > ", 1)[1] for c in cases}
+    assert {"bias > residual > norm32:layer_norm > to", "residual > bias > norm32:rms_norm",
+            "bias > residual > norm32:layer_norm > keep > to"} <= shapes
+    assert any(c.M == 16384 for c in cases) and any(op[0] == "act" for c in cases for op in c.ops)
+    small = [c for c in cases[:30] if c.M * (c.batch or 1) * max(c.N, c.K) <= 256 * 1024][:4]
+    assert small and all(fuzz.check(c)["ok"] for c in small)
+
+
 def test_generator_is_deterministic_and_covers_the_space():
     cases = [fuzz.generate(s) for s in range(300)]
     assert cases == [fuzz.generate(s) for s in range(300)]

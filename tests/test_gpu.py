@@ -202,6 +202,20 @@ def test_gpu_fuzz_regressions(seed):
     assert rec["ok"], rec["error"]
 
 
+@pytest.mark.parametrize("seed", [2, 4, 6, 9, 10])
+def test_gpu_hopper_fuzz_cases_run_on_the_wgmma_kernel_and_agree(seed):
+    """Cases of the fuzzer's hopper family (post-norm blocks in fp16/bf16 with a float32 norm)
+    run as the sm_90 wgmma kernel and agree with vanilla TVM's CUDA, NaN/Inf inputs included."""
+    import tvm  # pylint: disable=import-outside-toplevel
+
+    from tvm_comfuse.testing import fuzz  # pylint: disable=import-outside-toplevel
+
+    _need_sm90(tvm)
+    rec = fuzz.check(fuzz.generate_hopper(seed), "cuda")
+    assert rec["ok"], rec["error"]
+    assert rec["hopper"], rec["pattern"]
+
+
 def _need_sm90(tvm):
     """The Hopper kernels issue wgmma, which only sm_90 runs."""
     if tvm.cuda(0).compute_version != "9.0":

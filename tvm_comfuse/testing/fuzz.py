@@ -30,6 +30,9 @@ generated with clean, unit-scale inputs and checked against the NumPy float64 re
 
 CLI: ``python -m tvm_comfuse.testing.fuzz --cases 1000 --seed 0 --out report.json``; on a GPU,
 ``--target cuda --jobs 12`` runs both compilers' CUDA kernels (compiled in 12 worker processes).
+``--family hopper`` draws from :func:`generate_hopper` instead: post-norm blocks as models
+export them (adds in fp16/bf16, the norm in float32), shaped for the sm_90 wgmma kernels, which
+the random family's shapes and casts never reach.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import sys
 import time
 
@@ -58,7 +62,9 @@ EPS = 1e-5
 NP_DTYPE = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 
 #: Elementwise tokens: ("bias",), ("residual",), ("scale", c), ("act", name), ("cast", via),
-#: ("square",). Reductions: ("reduce", kind). ("keep",) also returns the current tensor.
+#: ("square",), ("to",) (a cast back to the case's dtype, one way). Reductions: ("reduce", kind),
+#: ("norm32", kind) (the value cast to float32 first, gamma and beta too: a model's post-norm).
+#: ("keep",) also returns the current tensor.
 ACTS = ("relu", "gelu", "silu", "tanh", "sigmoid")
 REDUCTIONS = ("layer_norm", "rms_norm", "softmax", "mean_sub", "sum_sub", "max_sub", "var_scale", "ln_decomposed")
 SIZES = (1, 2, 3, 5, 7, 11, 13, 17, 24, 31, 33, 47, 64, 65, 96)
@@ -172,6 +178,37 @@ def generate(seed: int) -> Case:
     return case
 
 
+def generate_hopper(seed: int) -> Case:
+    """A random post-norm block from ``seed`` as models export it and the sm_90 wgmma kernel
+    takes it (deterministic): fp16 or bf16, ``x @ w.T``, the bias and the residual added in that
+    dtype in either order, LayerNorm or RMSNorm in float32, then cast back, or returned in float32,
+    or both; rows a multiple of 64 (2-D or batched), K a multiple of 32, N from 64 to 1024 (rows
+    sliced over clusters of 1 to 8 CTAs), and sometimes 16384 x 256 x 768, where the kernel keeps
+    W resident. One case in eight breaks the pattern (an activation before the norm) so the
+    fallback to the gemm_reduce rule is fuzzed beside it."""
+    rng = np.random.default_rng(seed)
+    pick = lambda xs: xs[int(rng.integers(len(xs)))]  # noqa: E731
+    dtype = pick(("float16", "bfloat16"))
+    adds = [("bias",), ("residual",)]
+    if rng.random() < 0.5:
+        adds.reverse()
+    if rng.random() < 0.125:
+        adds.insert(int(rng.integers(0, 3)), ("act", pick(ACTS)))
+    tail = pick(((("to",),), (("keep",), ("to",)), ()))
+    if rng.random() < 0.06:
+        m, k, n, batch = 16384, 256, 768, None
+    else:
+        m, k, n, batch = pick((64, 128, 192, 256, 512, 1024, 4096)), pick((64, 96, 128, 256, 320, 768)), \
+            pick((64, 128, 192, 256, 384, 512, 768, 1024)), pick((None, None, 2))
+    case = Case(seed=seed, dtype=dtype, M=m, K=k, N=n, batch=batch, linear=True,
+                ops=(*adds, ("norm32", pick(("layer_norm", "rms_norm"))), *tail), input_seed=seed)
+    return dataclasses.replace(case, scale=BIG[dtype] if rng.random() < 0.25 else 1.0, special=pick(("", "", "", "", "nan", "inf")))
+
+
+#: ``--family`` of the CLI: the generator of each case.
+FAMILIES = {"random": generate, "hopper": generate_hopper}
+
+
 # ----------------------------------------------------------------------------- building
 
 
@@ -187,7 +224,7 @@ def params(case: Case) -> list:
             out.append((f"b{i}", (case.N,)))
         elif op == ("residual",):
             out.append((f"r{i}", (*_rows(case), case.N)))
-        elif op[0] == "reduce" and op[1] in ("layer_norm", "rms_norm", "ln_decomposed"):
+        elif op[0] in ("reduce", "norm32") and op[1] in ("layer_norm", "rms_norm", "ln_decomposed"):
             out.append((f"gamma{i}", (case.N,)))
             if op[1] != "rms_norm":
                 out.append((f"beta{i}", (case.N,)))
@@ -223,6 +260,13 @@ def build(case: Case) -> tvm.IRModule:
                     y = bb.emit(op.astype(bb.emit(op.astype(y, tok[1])), dt))
                 elif kind == "square":
                     y = bb.emit(op.power(y, const(2.0)))
+                elif kind == "to":
+                    y = bb.emit(op.astype(y, dt))
+                elif kind == "norm32":
+                    f32 = lambda v: bb.emit(op.astype(v, "float32"))  # noqa: E731
+                    y, g = f32(y), f32(vs[f"gamma{i}"])
+                    y = bb.emit(op.nn.layer_norm(y, g, f32(vs[f"beta{i}"]), axes=[-1], epsilon=EPS) if tok[1] == "layer_norm"
+                                else op.nn.rms_norm(y, g, axes=[-1], epsilon=EPS))
                 else:
                     y = _emit_reduction(bb, y, tok[1], vs, i, const)
             result = bb.emit_output(relax.Tuple([y, *kept]) if kept else y)
@@ -307,6 +351,8 @@ def reference(case: Case, args: list) -> list:
                 y = _round(y, tok[1])
             elif kind == "square":
                 y = y * y
+            elif kind == "to":
+                y = _round(y, case.dtype)
             else:
                 y = _np_reduction(tok[1], y, vs, i)
     return [y, *kept]
@@ -378,8 +424,13 @@ def _rule_scheduled(mod, target) -> list:
 
 def _kernels_of(names, groups) -> list:
     """The fused groups whose function became a CUDA kernel of its own (GPU targets), from the
-    kernel names of the ComFuse build."""
-    return [g.name for g in groups if g.fused and any(k.startswith(g.name + "_kernel") for k in names)]
+    kernel names of the ComFuse build (the Hopper kernels' carry a ``comfuse_wgmma_<i>_`` prefix)."""
+    return [g.name for g in groups if g.fused and any(re.fullmatch(rf"(comfuse_wgmma_\d+_)?{g.name}_kernel\w*", k) for k in names)]
+
+
+def _hopper_kernels(names) -> list:
+    """The ComFuse build's kernels that are the sm_90 wgmma kernel."""
+    return [k for k in names if k.startswith("comfuse_wgmma_")]
 
 
 def _mismatch(ours, theirs, ref, dtype, tol_table) -> str:
@@ -456,6 +507,7 @@ def check(case: Case, target: str = "llvm", built: dict | None = None) -> dict:
         if target != "llvm":
             rec["kernels"] = _kernels_of(built["kernel_names"], groups)
             rec["rule"] = built["rule"]
+            rec["hopper"] = _hopper_kernels(built["kernel_names"])
         args = inputs(case)
         ref = [r.reshape(-1) for r in reference(case, args)]
         ours = [o.reshape(-1) for o in _run(built["comfuse"], mod, args, target)]
@@ -538,9 +590,9 @@ def shrink(case: Case, predicate=fails, budget: int = 300) -> dict:
 
 def _built_in_worker(job):
     """Pool worker: compile one case both ways and export each executable to a shared library."""
-    seed, target, folder = job
+    seed, target, folder, family = job
     out = {}
-    for name, value in build_both(generate(seed), target).items():
+    for name, value in build_both(FAMILIES[family](seed), target).items():
         if isinstance(value, (str, list)):  # an error, or the rule's functions
             out[name] = ("value", value)
         else:
@@ -553,7 +605,7 @@ def _load(built: dict) -> dict:
     return {k: tvm.runtime.load_module(v) if what == "library" else v for k, (what, v) in built.items()}
 
 
-def _builds(seeds, target: str, jobs: int):
+def _builds(seeds, target: str, jobs: int, family: str = "random"):
     """``(seed, built-or-None)`` in order: compiled here when ``jobs`` is 1, else in a pool."""
     if jobs <= 1:
         for s in seeds:
@@ -564,19 +616,19 @@ def _builds(seeds, target: str, jobs: int):
 
     with tempfile.TemporaryDirectory(prefix="comfuse-fuzz-") as folder:
         with multiprocessing.get_context("spawn").Pool(jobs) as pool:
-            for s, built in pool.imap(_built_in_worker, [(s, target, folder) for s in seeds]):
+            for s, built in pool.imap(_built_in_worker, [(s, target, folder, family) for s in seeds]):
                 yield s, _load(built)
 
 
 def fuzz(cases: int, seed: int = 0, log=None, target: str = "llvm", jobs: int = 1, progress: int = 0,
-         checkpoint: str | None = None) -> dict:
+         checkpoint: str | None = None, family: str = "random") -> dict:
     """Run ``cases`` cases with seeds ``seed, seed+1, ...`` on ``target``; return the report.
     ``jobs > 1`` compiles in that many worker processes. Every ``progress`` cases a count line
     is logged and the report so far is written to ``checkpoint``: a run cut short by a time
     limit still says how far it got and what it found."""
     records, t0 = [], time.time()
-    for s, built in _builds(range(seed, seed + cases), target, jobs):
-        rec = check(generate(s), target, built)
+    for s, built in _builds(range(seed, seed + cases), target, jobs, family):
+        rec = check(FAMILIES[family](s), target, built)
         records.append(rec)
         if log and not rec["ok"]:
             log(f"FAIL seed={s} {rec['dtype']} {rec['pattern']}: {rec['error']}")
@@ -585,13 +637,14 @@ def fuzz(cases: int, seed: int = 0, log=None, target: str = "llvm", jobs: int = 
                 log(f"{len(records)} cases, {sum(not r['ok'] for r in records)} failures, {time.time() - t0:.0f} s")
             if checkpoint:
                 _write(_report(records, target, t0), checkpoint)
-    return _report(records, target, t0)
+    return _report(records, target, t0, family)
 
 
-def _report(records: list, target: str, t0: float) -> dict:
+def _report(records: list, target: str, t0: float, family: str = "random") -> dict:
     kinds = collections.Counter(g.split(":")[0] for r in records for g in r["groups"])
     report = {
         "target": target,
+        "family": family,
         "cases": len(records),
         "failures": sum(not r["ok"] for r in records),
         "groups": dict(sorted(kinds.items())),
@@ -602,6 +655,7 @@ def _report(records: list, target: str, t0: float) -> dict:
     if target != "llvm":
         report["cases_with_fused_kernels"] = sum(bool(r.get("kernels")) for r in records)
         report["cases_scheduled_by_the_rule"] = sum(bool(r.get("rule")) for r in records)
+        report["cases_on_the_hopper_kernel"] = sum(bool(r.get("hopper")) for r in records)
     return report
 
 
@@ -621,11 +675,13 @@ def main(argv=None) -> int:
     parser.add_argument("--target", choices=("llvm", "cuda"), default="llvm",
                         help="llvm (CPU), or cuda: the GPU of this machine (fused CUDA kernels against vanilla TVM's)")
     parser.add_argument("--jobs", type=int, default=1, help="compile in this many worker processes")
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="random",
+                        help="random graphs (default), or hopper: post-norm blocks shaped for the sm_90 wgmma kernels")
     args = parser.parse_args(argv)
     if args.target == "cuda" and not tvm.cuda(0).exist:
         parser.error("--target cuda needs a CUDA GPU, and tvm.cuda(0) finds none")
     report = fuzz(args.cases, args.seed, log=lambda line: print(line, flush=True), target=args.target, jobs=args.jobs,
-                  progress=10, checkpoint=args.out)
+                  progress=10, checkpoint=args.out, family=args.family)
     if args.shrink:
         for rec in report["records"]:
             if not rec["ok"]:
@@ -637,7 +693,8 @@ def main(argv=None) -> int:
     print("oracle: " + ", ".join(f"{k}={v}" for k, v in report["oracle"].items()))
     if "cases_with_fused_kernels" in report:
         print(f"cases whose ComFuse group ran as its own fused kernel: {report['cases_with_fused_kernels']} "
-              f"(scheduled by the gemm_reduce rule: {report['cases_scheduled_by_the_rule']}, the rest by DLight)")
+              f"(the Hopper wgmma kernel: {report['cases_on_the_hopper_kernel']}; scheduled by the gemm_reduce rule: "
+              f"{report['cases_scheduled_by_the_rule']}; the rest by DLight)")
     if args.out:
         _write(report, args.out)
     return 1 if report["failures"] else 0
