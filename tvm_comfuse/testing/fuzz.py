@@ -424,8 +424,9 @@ def _rule_scheduled(mod, target) -> list:
 
 def _kernels_of(names, groups) -> list:
     """The fused groups whose function became a CUDA kernel of its own (GPU targets), from the
-    kernel names of the ComFuse build (the Hopper kernels' carry a ``comfuse_wgmma_<i>_`` prefix)."""
-    return [g.name for g in groups if g.fused and any(re.fullmatch(rf"(comfuse_wgmma_\d+_)?{g.name}_kernel\w*", k) for k in names)]
+    kernel names of the ComFuse build (the Hopper kernels carry a ``comfuse_wgmma_<i>_`` prefix)."""
+    return [g.name for g in groups
+            if g.fused and any(re.fullmatch(rf"(comfuse_wgmma_\d+_)?{re.escape(g.name)}_kernel\w*", k) for k in names)]
 
 
 def _hopper_kernels(names) -> list:
