@@ -283,7 +283,7 @@ def mainloop(cfg: WgmmaConfig, k: int, dtype: str):
     @T.macro
     def produce(A_map, B_map, S, W, full, empty, a_row, b_row, base):
         for kk in T.serial(kt):
-            acquire(full, empty, base + kk, (bm + (0 if res else bn)) * bk * 2)
+            acquire(full, empty, base + kk, cfg.smem_bytes // st)  # one slot's bytes
             for j in T.unroll(bm // a_box):
                 T.ptx[TMA_LOAD](S.ptr_to([(base + kk) % st, j * a_box, 0]), T.address_of(A_map), kk * bk, a_row + j * a_box,
                                 full.ptr_to([(base + kk) % st]))

@@ -202,7 +202,8 @@ def resident_config(n: int, m: int, k: int, spec: PostNorm) -> WgmmaConfig | Non
     shared memory (:data:`ACTIVE_CLUSTERS` of them, one wave), or None where none fits: 64 rows, the
     fewest CTAs a row whose ``N / ranks x K`` slice, two sets of staged tiles and a ring of A
     (at least three stages) fit beside each other, two consumer warpgroups (the epilogue's
-    threads: it is half the work here), ``bk`` 64 where K allows.
+    threads: it is half the work here; a slice of at most 512 whole 64-column boxes halves into
+    wgmma tiles), ``bk`` 64 where K allows.
 
     Why (session 10): at 16384x256x1024 the streaming kernel reads its 256 KiB W slice from L2
     for every 64 rows, 128 MiB in all against 72 MiB of HBM traffic, and took 54 us where
@@ -213,9 +214,8 @@ def resident_config(n: int, m: int, k: int, spec: PostNorm) -> WgmmaConfig | Non
         bn = n // ranks
         if n % ranks or bn % BOX_COLS or bn > MAX_ROW or (m // 64) < 2 * ACTIVE_CLUSTERS[ranks]:
             continue
-        wg_n = 2 if (bn // 2) % 16 == 0 and bn // 2 <= 256 else 1
         for stages in (4, 3):
-            cfg = WgmmaConfig(bm=64, bn=bn, stages=stages, bk=bk, wg_n=wg_n, resident=True)
+            cfg = WgmmaConfig(bm=64, bn=bn, stages=stages, bk=bk, wg_n=2, resident=True)
             if not problems(m, n, k, spec, cfg):
                 return cfg
     return None
@@ -289,12 +289,12 @@ def problems(m, n, k, spec: PostNorm, cfg: WgmmaConfig | None = None, stage: boo
     if cfg.bm * cfg.bn > 64 * MAX_ROW or n % cfg.bn or n // cfg.bn not in CLUSTER_SIZES:
         found.append(f"{cfg} (a CTA owns 64 rows of an N / {list(CLUSTER_SIZES)} slice of at most {MAX_ROW} columns, "
                      f"or 128 rows of at most {MAX_ROW // 2})")
+    stg = staging(spec, cfg, stage)
     if (stage or cfg.resident) and cfg.bn % BOX_COLS:
         found.append(f"staged epilogue tiles with bn = {cfg.bn} (whole {BOX_COLS}-column boxes)")
-    elif cfg.smem_bytes + cfg.resident_bytes(k) + staging(spec, cfg, stage).smem_bytes(cfg) > SMEM_LIMIT:
+    elif cfg.smem_bytes + cfg.resident_bytes(k) + stg.smem_bytes(cfg) > SMEM_LIMIT:
         found.append(f"{cfg} with its staged epilogue tiles: over {SMEM_LIMIT // 1024} KiB of shared memory (fewer stages)")
     elif cfg.resident:
-        stg = staging(spec, cfg, stage)
         total = cfg.smem_bytes + cfg.resident_bytes(k) + stg.smem_bytes(cfg) + static_bytes(cfg, n // cfg.bn)
         if stage is False or not stg.store or len(stg.tiles) != sum(tile for _, tile in spec.operands):
             found.append(f"a resident W with an epilogue not staged whole (its tiles in {spec.dtype} and the output in "
@@ -326,7 +326,7 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
     # a resident W: the cluster loops over row blocks, its tiles staged twice over (``bufs``)
     grid, bufs = (min(blocks, ACTIVE_CLUSTERS[ranks]), 2) if res else (blocks, 1)
     ring_elems, tile_bytes = cfg.smem_bytes // 2, bm * slice_n * 2
-    staged_elems = stg.regions * bufs * bm * slice_n
+    staged_elems = stg.smem_bytes(cfg) // 2
     produce, consume = mainloop(cfg, k, spec.dtype)
     load_w = load_resident(cfg, k)
     init = Ring(cfg.stages, cfg.consumers).init()
