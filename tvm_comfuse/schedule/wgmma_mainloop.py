@@ -44,6 +44,8 @@ from ..errors import ComFuseError
 
 #: Shared memory one thread block may use on sm_90 (227 KiB), less 8 KiB for static buffers.
 SMEM_LIMIT = 219 * 1024
+#: An sm_90 SM's shared memory (228 KiB), and what the driver reserves of it per thread block.
+SMEM_PER_SM, SMEM_RESERVED = 228 * 1024, 1024
 _PTX_TYPE = {"float16": "f16", "bfloat16": "bf16"}
 #: bk -> the swizzle code of 64- and 128-byte rows: the same number in a wgmma descriptor and
 #: in a CUtensorMap (CU_TENSOR_MAP_SWIZZLE_64B = 2, _128B = 3).
@@ -59,7 +61,7 @@ CONSUMER_BARRIER = 1
 class WgmmaConfig:
     """A CTA computes a ``bm x bn`` tile, K in ``bk`` steps through a ``stages``-deep ring, with
     ``bm / 64 x wg_n`` consumer warpgroups (each a ``64 x bn / wg_n`` wgmma tile) and one
-    producer warpgroup."""
+    producer warpgroup (or ``producer_warps`` warps)."""
 
     bm: int = 128
     bn: int = 256
@@ -72,6 +74,16 @@ class WgmmaConfig:
     #: ring, which then carries only A: for a CTA that loops over row blocks (short K, where
     #: re-reading W from L2 for every 64 rows costs more than the GEMM; :mod:`.wgmma_postnorm`).
     resident: bool = False
+    #: Thread blocks an SM runs at once (``__launch_bounds__(threads, ctas_per_sm)``): with two,
+    #: one CTA's epilogue runs beside the other's mainloop, in half the registers and shared memory.
+    ctas_per_sm: int = 1
+    #: 0: the producer is a warpgroup (warpgroup 0) that gives its registers back
+    #: (``setmaxnreg``); 1 or 2: it is that many warps after the consumer warpgroups, and no
+    #: registers move. Why: ptxas allocates the whole kernel within the launch bounds' budget
+    #: (:attr:`compiled_regs`: 168 at 384 threads, whatever ``setmaxnreg`` later grants), so
+    #: two CTAs an SM of a 256-column consumer warpgroup (154 registers) compile only with a
+    #: producer warp (2 x 160 threads: 168 registers; with a warpgroup 2 x 256: 128).
+    producer_warps: int = 0
 
     @property
     def consumers(self) -> int:
@@ -79,23 +91,37 @@ class WgmmaConfig:
 
     @property
     def threads(self) -> int:
-        return 128 * (self.consumers + 1)
+        return 128 * self.consumers + (32 * self.producer_warps or 128)
+
+    @property
+    def compiled_regs(self) -> int:
+        """Registers ptxas (CUDA 13.0) compiles every thread to: the SM's 65536 over the launch
+        bounds' threads an SM rounded up to a multiple of 128, in steps of 8, at most 255
+        (measured with ``-Xptxas -v``: 288 threads, or 2 x 160, get 168; 2 x 288 get 96)."""
+        per_sm = -(-self.threads * self.ctas_per_sm // 128) * 128
+        return min(255, 65536 // per_sm // 8 * 8)
 
     @property
     def reallocates(self) -> bool:
-        """Whether the producer gives registers to the consumers (``setmaxnreg``): only when
-        ``__launch_bounds__`` caps a thread below the 255 it may have anyway (ptxas ignores
-        setmaxnreg where the entry count is not fixed, its C7508)."""
-        return 65536 // self.threads < 256
+        """Whether the producer gives registers to the consumers (``setmaxnreg``): only a producer
+        warpgroup, and only when ``__launch_bounds__`` caps a thread below the 255 it may have
+        anyway (ptxas ignores setmaxnreg where the entry count is not fixed, its C7508)."""
+        return self.producer_warps == 0 and 65536 // (self.threads * self.ctas_per_sm) < 256
 
     @property
     def consumer_regs(self) -> int:
         """Registers per consumer thread: after the producer gives its share back, the
         ``65536 / threads`` the kernel starts with (in steps of 8, at most 240)."""
         if not self.reallocates:
-            return 255
-        start = 65536 // self.threads // 8 * 8
+            return self.compiled_regs
+        start = 65536 // (self.threads * self.ctas_per_sm) // 8 * 8
         return min(240, (start * self.threads - PRODUCER_REGS * 128) // (128 * self.consumers) // 8 * 8)
+
+    @property
+    def smem_limit(self) -> int:
+        """Dynamic shared memory a CTA may use: :data:`SMEM_LIMIT`, or with several CTAs an SM
+        its share of the SM (less the driver's reserve) less the same 8 KiB of static buffers."""
+        return SMEM_LIMIT if self.ctas_per_sm == 1 else SMEM_PER_SM // self.ctas_per_sm - SMEM_RESERVED - 8 * 1024
 
     @property
     def wg_cols(self) -> int:
@@ -129,12 +155,17 @@ class WgmmaConfig:
             found.append(f"inflight = {self.inflight} (0 or 1 wgmma groups kept in flight)")
         if self.threads > 1024:
             found.append(f"{self.threads} threads (at most 1024)")
-        if self.consumer_regs < self.wg_cols // 2 + 32:  # ptxas: m64n256 (128 accumulators) needs 154
+        if self.producer_warps not in (0, 1, 2):
+            found.append(f"producer_warps = {self.producer_warps} (0: a warpgroup, or 1 or 2 warps)")
+        regs = min(self.consumer_regs, self.compiled_regs)
+        if regs < self.wg_cols // 2 + 32:  # ptxas: m64n256 (128 accumulators) needs 154
             found.append(f"{self.consumers} consumer warpgroups of {self.wg_cols // 2} accumulators each "
-                         f"({self.consumer_regs} registers per thread: fewer warpgroups)")
-        if self.smem_bytes + self.resident_bytes(k) > SMEM_LIMIT:
+                         f"({regs} registers per thread: fewer warpgroups{', or a producer warp' if not self.producer_warps else ''})")
+        if self.ctas_per_sm not in (1, 2):
+            found.append(f"ctas_per_sm = {self.ctas_per_sm} (1 or 2)")
+        if self.smem_bytes + self.resident_bytes(k) > self.smem_limit:
             found.append(f"{(self.smem_bytes + self.resident_bytes(k)) // 1024} KiB of shared memory "
-                         f"(at most {SMEM_LIMIT // 1024}: fewer stages, a smaller bk{', a narrower resident B' if self.resident else ''})")
+                         f"(at most {self.smem_limit // 1024}: fewer stages, a smaller bk{', a narrower resident B' if self.resident else ''})")
         if m % self.bm or n % self.bn or k % self.bk:
             found.append(f"M, N, K = {m}, {n}, {k} (multiples of bm = {self.bm}, bn = {self.bn}, bk = {self.bk})")
         return found
@@ -368,9 +399,17 @@ def wgmma_gemm(m: int, n: int, k: int, dtype: str = "float16", cfg: WgmmaConfig 
         encode_a(A_map, A.data)
         encode_b(B_map, B.data)
         T.device_entry()
+        if cfg.ctas_per_sm > 1:  # __launch_bounds__(threads, ctas_per_sm)
+            T.attr({"tirx.launch_bounds_min_blocks_per_sm": cfg.ctas_per_sm})
         bx, by = T.cta_id([m // bm, n // bn])
-        wg = T.warpgroup_id([cfg.consumers + 1])
-        tw = T.thread_id_in_wg([128])
+        if cfg.producer_warps > 0:  # producer warps after the consumers: role 0 all the same, its threads 0, 1, ...
+            warp = T.warp_id([cfg.threads // 32])
+            lane = T.lane_id([32])
+            wg = T.meta_var((warp // 4 + 1) % (cfg.consumers + 1))
+            tw = T.meta_var(warp % 4 * 32 + lane)
+        else:
+            wg = T.warpgroup_id([cfg.consumers + 1])
+            tw = T.thread_id_in_wg([128])
         # one dynamic buffer (tirx allows one): per slot, the A tile's bm rows, then B's bn
         S = T.alloc_shared([cfg.stages, bm + bn, cfg.bk], dtype, scope="shared.dyn", align=1024)
         full = T.alloc_shared([cfg.stages], "uint64", scope="shared", align=8)

@@ -44,7 +44,7 @@ import tvm.script
 from tvm.script import tirx as T
 
 from ..errors import ComFuseError
-from .wgmma_mainloop import (SMEM_LIMIT, TMA_LOAD, Ring, WgmmaConfig, box_rows, consumer_sync, fragment, load_resident, mainloop, roles,
+from .wgmma_mainloop import (TMA_LOAD, Ring, WgmmaConfig, box_rows, consumer_sync, fragment, load_resident, mainloop, roles,
                              tensor_map)
 
 NORMS = ("layer_norm", "rms_norm")
@@ -61,14 +61,16 @@ MAX_ROW = MAX_CONSUMERS * 256
 #: 1-CTA-per-SM CTAs, of which only 30 fit the GPCs at once, so a second wave runs (ffn2 58.5
 #: against 35.2 us, though its plain GEMM is faster: 30.8 against 35.1).
 DEFAULT_ROWS = 64
-#: CTAs a row may be sliced over (a thread-block cluster; 8 is the portable maximum).
-CLUSTER_SIZES = (1, 2, 4, 8)
+#: CTAs a row may be sliced over (a thread-block cluster; 8 is the portable maximum). Three: at
+#: N = 768 a cluster of three 256-column CTAs of 128 rows (cuBLAS's 128 x 256 tile) covers
+#: M = 4096 in 32 clusters, a wave where 39 fit (four-CTA clusters need two).
+CLUSTER_SIZES = (1, 2, 3, 4, 8)
 #: SMs of the sm_90 parts ComFuse targets (H100 SXM, H200): what ``default_config`` fills.
 SM_COUNT = 132
 #: Clusters of a one-CTA-per-SM kernel the H200 runs at once, by cluster size
 #: (``cudaOccupancyMaxActiveClusters``, session 10: ``experiments/cluster_occupancy.py``): the
 #: grid of a kernel whose clusters loop over row blocks (a resident W slice).
-ACTIVE_CLUSTERS = {1: 132, 2: 66, 4: 30, 8: 15}
+ACTIVE_CLUSTERS = {1: 132, 2: 66, 3: 39, 4: 30, 8: 15}
 #: Shared memory a thread block may use on sm_90, dynamic and static together: what a resident
 #: configuration's buffers and its exchange buffers (:func:`static_bytes`) must fit.
 SMEM_TOTAL = 227 * 1024
@@ -186,7 +188,7 @@ def staging(spec: PostNorm, cfg: WgmmaConfig, stage: bool | None = None) -> Stag
         return Staging()
     tiles = tuple(j for j, (d, tile) in enumerate(spec.operands) if tile and d == spec.dtype)
     full = Staging(tiles, spec.out_dtype == spec.dtype)
-    return full if stage or cfg.resident or cfg.smem_bytes + full.smem_bytes(cfg) <= SMEM_LIMIT else Staging()
+    return full if stage or cfg.resident or cfg.smem_bytes + full.smem_bytes(cfg) <= cfg.smem_limit else Staging()
 
 
 def static_bytes(cfg: WgmmaConfig, ranks: int) -> int:
@@ -269,7 +271,7 @@ def default_config(n: int, m: int | None = None, k: int | None = None, spec: Pos
     ring = WgmmaConfig(rows, bn, 2, 32, wg_n)  # staged where the tiles fit beside the smallest ring
     staged = staging(spec, ring) if spec is not None else Staging()
     for bk, least in ((64, 3), (32, 3), (32, 2)):
-        stages = min(4, (SMEM_LIMIT - staged.smem_bytes(ring)) // ((rows + bn) * bk * 2))
+        stages = min(4, (ring.smem_limit - staged.smem_bytes(ring)) // ((rows + bn) * bk * 2))
         if k is not None:
             stages = min(stages, max(2, k // bk))
         if stages >= min(least, max(2, k // bk) if k is not None else least):
@@ -292,8 +294,8 @@ def problems(m, n, k, spec: PostNorm, cfg: WgmmaConfig | None = None, stage: boo
     stg = staging(spec, cfg, stage)
     if (stage or cfg.resident) and cfg.bn % BOX_COLS:
         found.append(f"staged epilogue tiles with bn = {cfg.bn} (whole {BOX_COLS}-column boxes)")
-    elif cfg.smem_bytes + cfg.resident_bytes(k) + stg.smem_bytes(cfg) > SMEM_LIMIT:
-        found.append(f"{cfg} with its staged epilogue tiles: over {SMEM_LIMIT // 1024} KiB of shared memory (fewer stages)")
+    elif cfg.smem_bytes + cfg.resident_bytes(k) + stg.smem_bytes(cfg) > cfg.smem_limit:
+        found.append(f"{cfg} with its staged epilogue tiles: over {cfg.smem_limit // 1024} KiB of shared memory (fewer stages)")
     elif cfg.resident:
         total = cfg.smem_bytes + cfg.resident_bytes(k) + stg.smem_bytes(cfg) + static_bytes(cfg, n // cfg.bn)
         if stage is False or not stg.store or len(stg.tiles) != sum(tile for _, tile in spec.operands):
@@ -304,6 +306,10 @@ def problems(m, n, k, spec: PostNorm, cfg: WgmmaConfig | None = None, stage: boo
                          f"(at most {SMEM_TOTAL // 1024}: fewer stages)")
         if cfg.bm != 64:
             found.append(f"a resident W with bm = {cfg.bm} (64 rows a block)")
+        if cfg.ctas_per_sm != 1:
+            found.append("a resident W with two CTAs an SM (its grid is one wave of one-CTA-per-SM clusters)")
+        if cfg.producer_warps == 1:
+            found.append("a resident W with one producer warp (its staged tiles load from a second: 0 or 2)")
     return found + cfg.problems(m, n, k, spec.dtype)
 
 
@@ -549,8 +555,14 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
         else:
             bx = T.cta_id([grid])
             rk = 0
-        wg = T.warpgroup_id([cfg.consumers + 1])
-        tw = T.thread_id_in_wg([128])
+        if cfg.producer_warps > 0:  # producer warps after the consumers: role 0 all the same, its threads 0, 1, ...
+            warp = T.warp_id([cfg.threads // 32])
+            lane = T.lane_id([32])
+            wg = T.meta_var((warp // 4 + 1) % (cfg.consumers + 1))
+            tw = T.meta_var(warp % 4 * 32 + lane)
+        else:
+            wg = T.warpgroup_id([cfg.consumers + 1])
+            tw = T.thread_id_in_wg([128])
         # one dynamic buffer (tirx allows one): the ring, the staged regions, the resident W (1 KiB aligned)
         flat = T.alloc_shared([ring_elems + staged_elems + cfg.resident_bytes(k) // 2], spec.dtype, scope="shared.dyn", align=1024)
         S = T.decl_buffer([cfg.stages, bm + (0 if res else slice_n), cfg.bk], spec.dtype, data=flat.data, scope="shared.dyn")
@@ -624,6 +636,8 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
     lines += [f"    {p}_p = T.match_buffer({p}_h, {shp}, {dt!r}, align=16)" for p, shp, dt, _ in params]
     lines += [f"    {p}_map: T.let[T.handle('tensormap')] = T.tvm_stack_alloca('tensormap', 1)" for p in maps]
     lines += [f"    encode_{p}({p}_map, {p}_p.data)" for p in maps] + ["    T.device_entry()"]
+    if cfg.ctas_per_sm > 1:  # __launch_bounds__(threads, ctas_per_sm)
+        lines += [f"    T.attr({{'tirx.launch_bounds_min_blocks_per_sm': {cfg.ctas_per_sm}}})"]
     lines += [f"    {p} = T.decl_buffer({view}, {dt!r}, data={p}_p.data)" if view else f"    {p} = {p}_p" for p, _, dt, view in params[2:]]
     names = [p for p, *_ in params]
     tiles = [f"p{j}_map" for j in stg.tiles] + ["None"] * (2 - len(stg.tiles))

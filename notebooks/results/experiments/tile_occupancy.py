@@ -1,0 +1,84 @@
+"""Three-CTA clusters of 128 x 256 tiles, and two CTAs an SM: do they close the post-norm's gap
+to torch.compile? (issues 3 and 8)
+
+Session 11 left the fused post-norm faster than torch.compile on one suite shape of five. Two
+causes were measured, one per kind of shape:
+
+- K >= 3072 (ffn2 4096x3072x768): the 64-row mainloop. A 128-row plain GEMM was faster (30.8
+  against 35.1 us, session 10), but fused its rows took clusters of four 192-column CTAs, and
+  only 30 such clusters fit the H200 at once where M = 4096 needs 32: two waves. Three CTAs of
+  256 columns (cuBLAS's 128 x 256 tile, two consumer warpgroups of m64n256) hold a 768-wide
+  row, and 39 three-CTA clusters fit (``cluster-occupancy.json``): 32 clusters, one wave.
+- Short K (wide-short-k 16384x256x1024): the epilogue. Nsight Compute showed 12 warps an SM,
+  stalled on barriers and long scoreboard as much as they issue, the tensor cores idle while
+  the CTA's one epilogue runs. Two CTAs an SM (``WgmmaConfig(ctas_per_sm=2)``:
+  ``__launch_bounds__(threads, 2)``, half the registers and shared memory each) let one CTA's
+  epilogue run beside the other's mainloop. Session 6 refuted two CTAs an SM for the mma.sync
+  kernel, whose 128-register cap spilled; a 64 x 256 CTA here has one consumer warpgroup of
+  128 accumulators under a 216-register cap.
+
+Prediction: correct everywhere. ffn2 on 128 x 256 three-CTA clusters under torch.compile
+(~32.5 us; from 33.5); attnout no worse than its default. wide-short-k with two 64 x 256 CTAs
+an SM from ~50 to under torch.compile's ~43.5.
+
+Same inputs for every contender, correctness checked before timing; ``kernel_us`` is the
+profiler's device time per call. Run on the GPU:
+``bash .ci/gpu-run notebooks/results/experiments/tile_occupancy.py`` (writes ``$OUT/tile-occupancy.json``).
+"""
+
+import dataclasses
+
+import torch
+from wgmma_gemm import measure, postnorm_baselines, save  # the same directory: sys.path[0] when run as a script
+
+from tvm_comfuse.schedule.wgmma_mainloop import WgmmaConfig, wgmma_gemm
+from tvm_comfuse.schedule.wgmma_postnorm import PostNorm, default_config, problems, wgmma_postnorm
+
+#: (M, K, N): ffn2, attnout, wide-short-k, large-ffn2.
+SHAPES = [(4096, 3072, 768), (4096, 768, 768), (16384, 256, 1024), (4096, 4096, 1024)]
+
+
+def variants(m, k, n, spec):
+    """``(name, cfg, stage)``, those that fit: the default; 128 x 256 CTAs (clusters of ``n / 256``),
+    staged on three stages or unstaged on four; 64 x 256 CTAs two an SM, one consumer
+    warpgroup or two of 128 columns, and a producer warp (ptxas compiles 2 x 160 threads to 168
+    registers a thread, 2 x 256 to 128), the deepest ring that fits beside the staged tiles."""
+    found = [("default", default_config(n, m, k, spec), None), ("bm128_bn256_staged", WgmmaConfig(128, 256, 3, 64, 1), True),
+             ("bm128_bn256_unstaged", WgmmaConfig(128, 256, 4, 64, 1), False)]
+    for wg_n in (1, 2):
+        for stages, bk in ((4, 32), (2, 64), (3, 32), (2, 32)):
+            cfg = WgmmaConfig(64, 256, stages, bk, wg_n, ctas_per_sm=2, producer_warps=1)
+            if not problems(m, n, k, spec, cfg, True):
+                found.append((f"bm64_bn256_wg{wg_n}_2ctas", cfg, True))
+                break
+    return [(name, cfg, stage) for name, cfg, stage in found if not problems(m, n, k, spec, cfg, stage)]
+
+
+def main():
+    rows, gen = [], torch.Generator(device="cuda").manual_seed(12)
+    spec = PostNorm.suite("float16", "layer_norm")
+    for m, k, n in SHAPES:
+        inputs, ref, base, baselines = postnorm_baselines(m, k, n, gen, ("cublas_gemm_alone", "inductor"))
+        rows += baselines
+        x, w = inputs[:2]
+        gemm_ref = x.float() @ w.float().T
+        for name, cfg, stage in variants(m, k, n, spec):
+            row = dict(base, contender=f"wgmma_postnorm_{name}", config=dataclasses.asdict(cfg), staged=stage)
+            make = lambda: wgmma_postnorm(m, n, k, spec, cfg, stage=stage)  # noqa: E731,B023
+            rows.append(measure(row, make, inputs, torch.empty(m, n, device="cuda", dtype=torch.float16), ref))
+            text = f"err {row['max_abs_err']:.3g}, {row['kernel_us']:.1f} us device" if "us" in row else row["error"]
+            print(f"  {name} {cfg}: {text}", flush=True)
+        for name, cfg in (("bm128_bn256", WgmmaConfig(128, 256, 4, 64, 1)),
+                          ("bm64_bn256_2ctas", WgmmaConfig(64, 256, 4, 32, 1, ctas_per_sm=2, producer_warps=1))):
+            if cfg.problems(m, n, k, "float16"):
+                continue
+            row = dict(base, contender=f"wgmma_gemm_{name}", config=dataclasses.asdict(cfg))
+            make = lambda: wgmma_gemm(m, n, k, "float16", cfg)  # noqa: E731,B023
+            rows.append(measure(row, make, [x, w], torch.empty(m, n, device="cuda", dtype=torch.float16), gemm_ref))
+            text = f"err {row['max_abs_err']:.3g}, {row['kernel_us']:.1f} us device" if "us" in row else row["error"]
+            print(f"  plain GEMM {name}: {text}", flush=True)
+    save("tile-occupancy.json", rows)
+
+
+if __name__ == "__main__":
+    main()
