@@ -61,10 +61,13 @@ MAX_ROW = MAX_CONSUMERS * 256
 #: 1-CTA-per-SM CTAs, of which only 30 fit the GPCs at once, so a second wave runs (ffn2 58.5
 #: against 35.2 us, though its plain GEMM is faster: 30.8 against 35.1).
 DEFAULT_ROWS = 64
-#: CTAs a row may be sliced over (a thread-block cluster; 8 is the portable maximum). Three: at
-#: N = 768 a cluster of three 256-column CTAs of 128 rows (cuBLAS's 128 x 256 tile) covers
-#: M = 4096 in 32 clusters, a wave where 39 fit (four-CTA clusters need two).
+#: CTAs a row may be sliced over (a thread-block cluster; 8 is the portable maximum).
 CLUSTER_SIZES = (1, 2, 3, 4, 8)
+#: Those the defaults choose from. Not three: at N = 768 a cluster of three 128 x 256 CTAs
+#: (cuBLAS's tile) covers M = 4096 in one wave of 32 clusters, but measured slower than two
+#: 64 x 384 CTAs (ffn2 37.6 against 32.9 us, attnout 15.8 against 13.4; its plain GEMM too:
+#: 96 CTAs leave 36 SMs idle; session 12, ``experiments/tile_occupancy.py``).
+DEFAULT_CLUSTER_SIZES = (1, 2, 4, 8)
 #: SMs of the sm_90 parts ComFuse targets (H100 SXM, H200): what ``default_config`` fills.
 SM_COUNT = 132
 #: Clusters of a one-CTA-per-SM kernel the H200 runs at once, by cluster size
@@ -212,7 +215,7 @@ def resident_config(n: int, m: int, k: int, spec: PostNorm) -> WgmmaConfig | Non
     cuBLAS's GEMM alone takes 19; resident, W is read once per CTA and the kernel moves only
     x, the residual and the output."""
     bk = 64 if k % 64 == 0 else 32
-    for ranks in CLUSTER_SIZES:
+    for ranks in DEFAULT_CLUSTER_SIZES:
         bn = n // ranks
         if n % ranks or bn % BOX_COLS or bn > MAX_ROW or (m // 64) < 2 * ACTIVE_CLUSTERS[ranks]:
             continue
@@ -258,7 +261,7 @@ def default_config(n: int, m: int | None = None, k: int | None = None, spec: Pos
             return cfg
     rows = bm or DEFAULT_ROWS
     widest = MAX_ROW * 64 // rows  # columns of `rows` rows one CTA's registers hold
-    ranks = [r for r in CLUSTER_SIZES if n % r == 0 and (n // r) % 16 == 0 and n // r <= widest]
+    ranks = [r for r in DEFAULT_CLUSTER_SIZES if n % r == 0 and (n // r) % 16 == 0 and n // r <= widest]
     if not ranks:
         raise ComFuseError(f"wgmma post-norm cannot slice N = {n} over at most {CLUSTER_SIZES[-1]} CTAs of {widest} columns")
     if m is not None:
@@ -314,7 +317,7 @@ def problems(m, n, k, spec: PostNorm, cfg: WgmmaConfig | None = None, stage: boo
 
 
 def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: WgmmaConfig | None = None, lead=None,
-                   stage: bool | None = None):
+                   stage: bool | None = None, one_round: bool = False, params: bool = False):
     """The fused kernel, a tirx PrimFunc for sm_90a with parameters ``(x[*lead, k], w[n, k],
     operand 0, operand 1, gamma[n], beta[n] (LayerNorm only), out[*lead, n], norm[*lead, n]
     (``spec.norm_out`` only))``: ``lead`` are the row dimensions (``(m,)`` by default; ``(B,
@@ -328,6 +331,8 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
     acc_n, wg_cols, parts, rms = cfg.wg_cols // 2, cfg.wg_cols, 4 * cfg.wg_n, spec.norm == "rms_norm"
     bm, wg_m, wg_n, slice_n, ranks = cfg.bm, cfg.bm // 64, cfg.wg_n, cfg.bn, n // cfg.bn
     stg, boxes = staging(spec, cfg, stage), cfg.bn // BOX_COLS
+    params = params and cfg.producer_warps == 0  # loaded by the producer warpgroup's third warp
+    vec_ops = [j for j, (_, tile) in enumerate(spec.operands) if not tile]  # the added vectors (the bias)
     res, kt, blocks = cfg.resident, k // cfg.bk, m // bm
     # a resident W: the cluster loops over row blocks, its tiles staged twice over (``bufs``)
     grid, bufs = (min(blocks, ACTIVE_CLUSTERS[ranks]), 2) if res else (blocks, 1)
@@ -384,7 +389,8 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
             if step.op == "add":
                 j = step.operand
                 buf, tile = (p0, p1)[j], spec.operands[j][1]
-                val = R[(slot * regions + region[j], *swizzled(lrow, lcol))] if j in region else buf[row, col] if tile else buf[col]
+                val = (R[(slot * regions + region[j], *swizzled(lrow, lcol))] if j in region else buf[row, col] if tile
+                       else buf[lcol] if params else buf[col])
                 if cur == step.dtype == spec.operands[j][0] != "float32":
                     v = v + val
                     continue
@@ -397,8 +403,11 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
     def square(v):  # what the first pass sums: the value (LayerNorm's mean), or its square (RMSNorm's)
         return v * v if rms else v
 
-    def shift(y, beta, col):  # LayerNorm's beta; RMSNorm has none
-        return y if beta is None else y + T.cast(beta[col], "float32")
+    def shift(y, beta, col, lcol):  # LayerNorm's beta; RMSNorm has none
+        return y if beta is None else y + (beta[1, lcol] if params else T.cast(beta[col], "float32"))
+
+    def scale(gamma, col, lcol):  # gamma, from global memory or widened in the staged copy
+        return gamma[0, lcol] if params else T.cast(gamma[col], "float32")
 
     @T.macro
     def store(out, out2, R, row, col, lrow, lcol, y, slot):
@@ -445,92 +454,126 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
                 T.ptx.mbarrier.arrive.shared.b64(remp.ptr_to([slot]), T.uint32(1))
 
     # pylint: disable=invalid-name,unused-variable,too-many-locals,too-many-arguments
+    # pylint: disable=invalid-name,unused-variable,too-many-locals,too-many-arguments
     @T.macro
-    def push_rows(rowx, xbar, peer, tx, stat, p, col, rk, slot, phase):
+    def combine(stat, h, got, p, cnt, count, per):
+        """``stat[h, p ..]`` from the ``count`` partials ``got[p .., i]`` of one row: their sum
+        (``cnt`` 1), or (``cnt`` 2: LayerNorm's one round) the mean and the centred sum of
+        squares of the union of ``count`` equal parts of ``per`` values each, from each part's
+        mean and centred sum of squares (Chan et al.: ``M2 = sum M2_i + per * sum (mean_i -
+        mean)^2``, no cancellation)."""
+        stat[h, p] = T.float32(0)
+        for i in T.unroll(count):
+            stat[h, p] = stat[h, p] + got[p, i]
+        if cnt == 2:
+            stat[h, p] = stat[h, p] * T.float32(1.0 / count)
+            stat[h, p + 1] = T.float32(0)
+            for i in T.unroll(count):
+                stat[h, p + 1] = stat[h, p + 1] + got[p + 1, i] + T.float32(per) * (got[p, i] - stat[h, p]) * (got[p, i] - stat[h, p])
+
+    @T.macro
+    def push_rows(rowx, xbar, peer, got, tx, stat, p, cnt, rk, slot, phase):
         """With a resident W (the producer never meets a cluster barrier: it runs a block
-        ahead), the row partials go to every CTA of the cluster by ``st.async``, each landing in
-        the receiver's ``rowx[slot, p, rk]`` and completing bytes on its mbarrier
-        ``xbar[2 * slot + p]``; every CTA then sums the ``ranks`` partials in rank order, as the
-        barrier exchange does. ``slot`` alternates between row blocks, so a CTA a block ahead
-        writes where nobody still reads: it has received this CTA's partials of the block in between."""
+        ahead), the row partials ``stat[h, p .. p + cnt)`` go to every CTA of the cluster by
+        ``st.async``, each landing in the receiver's ``rowx[slot, p .., rk]`` and completing bytes
+        on its mbarrier ``xbar[2 * slot + p]``; every CTA then combines the ``ranks`` partials in
+        rank order, as the barrier exchange does. ``slot`` alternates between row blocks, so a
+        CTA a block ahead writes where nobody still reads: it has received this CTA's partials of
+        the block in between."""
         r0 = T.meta_var(first_row(tx) + fragment(tx, 0)[0])
         if leads_rows(tx) and tx % 4 == 0:
             for h in T.unroll(2):
-                for q in T.unroll(ranks):
-                    T.ptx["mapa.shared::cluster.u32"](peer[0], T.cuda.cvta_generic_to_shared(rowx.ptr_to([slot, p, rk, r0 + 8 * h])), T.uint32(q))
-                    T.ptx["mapa.shared::cluster.u32"](peer[1], T.cuda.cvta_generic_to_shared(xbar.ptr_to([2 * slot + p])), T.uint32(q))
-                    T.ptx["st_async.shared::cluster.mbarrier::complete_tx::bytes.f32"](peer[0], stat[h, col], peer[1])
+                for v in T.unroll(cnt):
+                    for q in T.unroll(ranks):
+                        T.ptx["mapa.shared::cluster.u32"](peer[0], T.cuda.cvta_generic_to_shared(rowx.ptr_to([slot, p + v, rk, r0 + 8 * h])),
+                                                          T.uint32(q))
+                        T.ptx["mapa.shared::cluster.u32"](peer[1], T.cuda.cvta_generic_to_shared(xbar.ptr_to([2 * slot + p])), T.uint32(q))
+                        T.ptx["st_async.shared::cluster.mbarrier::complete_tx::bytes.f32"](peer[0], stat[h, p + v], peer[1])
         if tx == 0:
-            T.ptx.mbarrier.arrive.expect_tx.shared.b64(xbar.ptr_to([2 * slot + p]), T.uint32(ranks * bm * 4))
+            T.ptx.mbarrier.arrive.expect_tx.shared.b64(xbar.ptr_to([2 * slot + p]), T.uint32(cnt * ranks * bm * 4))
         T.cuda.mbarrier_wait(xbar.ptr_to([2 * slot + p]), phase)
         for h in T.unroll(2):
-            stat[h, col] = T.float32(0)
-            for q in T.unroll(ranks):
-                stat[h, col] = stat[h, col] + rowx[slot, p, q, r0 + 8 * h]
+            for v in T.unroll(cnt):
+                for q in T.unroll(ranks):
+                    got[p + v, q] = rowx[slot, p + v, q, r0 + 8 * h]
+            combine(stat, h, got, p, cnt, ranks, slice_n)
 
     @T.macro
-    def row_total(part, rowpart, xbar, peer, got, tx, s, stat, p, col, rk, slot, phase):
-        """``stat[h, col]`` = the sum over the whole row ``r0 + 8h`` of what the threads hold in
-        ``s[h]``: across quad lanes and the row's warpgroups through ``part``, across the
-        cluster's CTAs (the row's column slices) through distributed shared memory (read after
-        a cluster barrier, or pushed: :func:`push_rows`)."""
+    def row_total(part, rowpart, xbar, peer, got, tx, s, stat, p, cnt, rk, slot, phase):
+        """``stat[h, p .. p + cnt)``: over the whole row ``r0 + 8h``, what the threads hold in
+        ``s[p .., h]`` combined (:func:`combine`): across quad lanes and the row's warpgroups
+        through ``part``, across the cluster's CTAs (the row's column slices) through
+        distributed shared memory (read after a cluster barrier, or pushed: :func:`push_rows`)."""
         r0 = T.meta_var(first_row(tx) + fragment(tx, 0)[0])  # in the CTA's tile
         for h in T.unroll(2):
-            part[p, r0 + 8 * h, column_part(tx) * 4 + tx % 4] = s[h]
+            for v in T.unroll(cnt):
+                part[p + v, r0 + 8 * h, column_part(tx) * 4 + tx % 4] = s[p + v, h]
         sync()
         for h in T.unroll(2):
-            stat[h, col] = T.float32(0)
-            for j in T.unroll(parts):
-                stat[h, col] = stat[h, col] + part[p, r0 + 8 * h, j]
+            for v in T.unroll(cnt):
+                for j in T.unroll(parts):
+                    got[p + v, j] = part[p + v, r0 + 8 * h, j]
+            combine(stat, h, got, p, cnt, parts, wg_cols // 4)
         if ranks > 1 and res:
-            push_rows(rowpart, xbar, peer, tx, stat, p, col, rk, slot, phase)
+            push_rows(rowpart, xbar, peer, got, tx, stat, p, cnt, rk, slot, phase)
         elif ranks > 1:
             if leads_rows(tx) and tx % 4 == 0:  # one writer per row: quad leaders of its first warpgroup
                 for h in T.unroll(2):
-                    rowpart[p, r0 + 8 * h] = stat[h, col]
+                    for v in T.unroll(cnt):
+                        rowpart[p + v, r0 + 8 * h] = stat[h, p + v]
             T.cuda.cluster_sync()
             for h in T.unroll(2):
-                stat[h, col] = T.float32(0)
-                for q in T.unroll(ranks):
-                    T.ptx["mapa.shared::cluster.u32"](peer[0], T.cuda.cvta_generic_to_shared(rowpart.ptr_to([p, r0 + 8 * h])), T.uint32(q))
-                    T.ptx["ld.shared::cluster.f32"](got[0], peer[0])
-                    stat[h, col] = stat[h, col] + got[0]
+                for v in T.unroll(cnt):
+                    for q in T.unroll(ranks):
+                        T.ptx["mapa.shared::cluster.u32"](peer[0], T.cuda.cvta_generic_to_shared(rowpart.ptr_to([p + v, r0 + 8 * h])), T.uint32(q))
+                        T.ptx["ld.shared::cluster.f32"](got[p + v, q], peer[0])
+                combine(stat, h, got, p, cnt, ranks, slice_n)
 
     @T.macro
-    def epilogue(P0, P1, gamma, beta, out, out2, out_map, R, rfull, remp, xbar, acc, tx, bx, rk, slot, phase):
+    def epilogue(P0, P1, gamma, beta, out, out2, out_map, R, rfull, remp, xbar, pfull, acc, tx, bx, rk, slot, phase):
         """The chain and the norm on the accumulators of consumer thread ``tx``, rows of row
         block ``bx``, columns of its slice ``rk``; staged tiles in set ``slot`` of ``R``, in
         their ``phase`` (0 without a resident W: one block a CTA)."""
         part = T.alloc_shared([2, bm, parts], "float32")  # per row: 4 quad lanes x wg_n warpgroups
         # per row: this CTA's slice, read by the cluster (a resident W: every rank's, pushed, for two blocks in turn)
         rowpart = T.alloc_shared([2, 2, ranks, bm] if res else [2, bm], "float32")
-        s = T.alloc_local([2], "float32")  # this thread's partial sums of its rows r0 and r0 + 8
+        s = T.alloc_local([2, 2], "float32")  # [pass, row half]: this thread's partials of its rows r0 and r0 + 8
         stat = T.alloc_local([2, 2], "float32")  # [row half, mean / rstd]
         peer = T.alloc_local([2 if res else 1], "uint32")
-        got = T.alloc_local([1], "float32")
+        got = T.alloc_local([2, max(parts, ranks)], "float32")  # one row's partials, as they are combined
         l0 = T.meta_var(column_part(tx) * wg_cols)  # the warpgroup's first column in the slice
         lr = T.meta_var(first_row(tx))  # and its first row in the CTA's tile
         c0 = T.meta_var(rk * slice_n + l0)
         for h in T.unroll(2):
-            s[h] = T.float32(0)
+            s[0, h] = T.float32(0)
         if len(stg.tiles) > 0:
             T.cuda.mbarrier_wait(rfull.ptr_to([slot]), phase)
+        if params:
+            T.cuda.mbarrier_wait(pfull.ptr_to([0]), 0)
         # accumulators 2q and 2q + 1 are one row's adjacent columns: vector loads and stores
         for q in T.unroll(acc_n // 2):
             for j in T.vectorized(2):
                 row, col = T.meta_var(fragment(tx, 2 * q + j))
                 acc[2 * q + j] = chain(acc[2 * q + j], P0, P1, R, bx * bm + lr + row, c0 + col, lr + row, l0 + col, slot)
         for i in T.unroll(acc_n):
-            s[i // 2 % 2] = s[i // 2 % 2] + square(acc[i])
-        row_total(part, rowpart, xbar, peer, got, tx, s, stat, 0, 0, rk, slot, phase)
-        for h in T.unroll(2):
-            stat[h, 0] = stat[h, 0] / T.float32(n)  # mean, or mean square for RMSNorm
-        if not rms:
+            s[0, i // 2 % 2] = s[0, i // 2 % 2] + square(acc[i])
+        if one_round and not rms:  # the thread's mean and centred squares of its values, combined in one round
             for h in T.unroll(2):
-                s[h] = T.float32(0)
+                s[0, h] = s[0, h] * T.float32(4.0 / wg_cols)
+                s[1, h] = T.float32(0)
             for i in T.unroll(acc_n):
-                s[i // 2 % 2] = s[i // 2 % 2] + (acc[i] - stat[i // 2 % 2, 0]) * (acc[i] - stat[i // 2 % 2, 0])
-            row_total(part, rowpart, xbar, peer, got, tx, s, stat, 1, 1, rk, slot, phase)
+                s[1, i // 2 % 2] = s[1, i // 2 % 2] + (acc[i] - s[0, i // 2 % 2]) * (acc[i] - s[0, i // 2 % 2])
+            row_total(part, rowpart, xbar, peer, got, tx, s, stat, 0, 2, rk, slot, phase)
+        else:
+            row_total(part, rowpart, xbar, peer, got, tx, s, stat, 0, 1, rk, slot, phase)
+            for h in T.unroll(2):
+                stat[h, 0] = stat[h, 0] / T.float32(n)  # mean, or mean square for RMSNorm
+            if not rms:
+                for h in T.unroll(2):
+                    s[1, h] = T.float32(0)
+                for i in T.unroll(acc_n):
+                    s[1, i // 2 % 2] = s[1, i // 2 % 2] + (acc[i] - stat[i // 2 % 2, 0]) * (acc[i] - stat[i // 2 % 2, 0])
+                row_total(part, rowpart, xbar, peer, got, tx, s, stat, 1, 1, rk, slot, phase)
         for h in T.unroll(2):
             if rms:
                 stat[h, 1] = T.rsqrt(stat[h, 0] + T.float32(spec.eps))
@@ -540,12 +583,30 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
         for q in T.unroll(acc_n // 2):
             for j in T.vectorized(2):
                 row, col = T.meta_var(fragment(tx, 2 * q + j))
-                y = T.meta_var((acc[2 * q + j] - stat[q % 2, 0]) * stat[q % 2, 1] * T.cast(gamma[c0 + col], "float32"))
-                store(out, out2, R, bx * bm + lr + row, c0 + col, lr + row, l0 + col, shift(y, beta, c0 + col), slot)
+                y = T.meta_var((acc[2 * q + j] - stat[q % 2, 0]) * stat[q % 2, 1] * scale(gamma, c0 + col, l0 + col))
+                store(out, out2, R, bx * bm + lr + row, c0 + col, lr + row, l0 + col, shift(y, beta, c0 + col, l0 + col), slot)
         if stg.store:
             stage_out(out_map, R, remp, tx, bx, rk, slot)
         if ranks > 1 and not res:
             T.cuda.cluster_sync()  # no CTA leaves while the cluster may still read its rowpart
+
+    @T.macro
+    def load_params(P0, P1, gamma, beta, E0, E1, Eg, pfull, tw, rk):
+        """The producer warpgroup's third warp copies the slice's bias, gamma and beta into
+        shared memory (gamma and beta widened to fp32) while the K loop runs, then arrives on
+        ``pfull`` (32 arrivals): the epilogue reads them there, one instruction each at a fixed
+        offset, instead of a 64-bit address and a global load per column pair."""
+        if tw >= 64 and tw < 96:
+            for i in T.serial((slice_n + 31) // 32):
+                if i * 32 + tw - 64 < slice_n:
+                    Eg[0, i * 32 + tw - 64] = T.cast(gamma[rk * slice_n + i * 32 + tw - 64], "float32")
+                    if beta is not None:
+                        Eg[1, i * 32 + tw - 64] = T.cast(beta[rk * slice_n + i * 32 + tw - 64], "float32")
+                    if 0 in vec_ops:
+                        E0[i * 32 + tw - 64] = P0[rk * slice_n + i * 32 + tw - 64]
+                    if 1 in vec_ops:
+                        E1[i * 32 + tw - 64] = P1[rk * slice_n + i * 32 + tw - 64]
+            T.ptx.mbarrier.arrive.shared.b64(pfull.ptr_to([0]), T.uint32(1))
 
     @T.macro
     def body(x_map, w_map, t0_map, t1_map, out_map, P0, P1, gamma, beta, out, out2):
@@ -572,12 +633,23 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
         full = T.alloc_shared([cfg.stages], "uint64", scope="shared", align=8)
         empty = T.alloc_shared([cfg.stages], "uint64", scope="shared", align=8)
         rfull = T.alloc_shared([bufs], "uint64", scope="shared", align=8)
+        pfull = T.alloc_shared([1], "uint64", scope="shared", align=8)  # the staged bias, gamma and beta
+        # what the epilogue reads the bias, gamma and beta from: their staged copies, or global memory
+        if params:
+            Eg = T.alloc_shared([2 if beta is not None else 1, slice_n], "float32")
+            Eb = T.meta_var(Eg if beta is not None else None)
+            E0 = T.alloc_shared([slice_n], spec.operands[0][0]) if 0 in vec_ops else T.meta_var(P0)
+            E1 = T.alloc_shared([slice_n], spec.operands[1][0]) if 1 in vec_ops else T.meta_var(P1)
+        else:
+            Eg, Eb, E0, E1 = T.meta_var((gamma, beta, P0, P1))
         acc = T.alloc_local([acc_n], "float32")
         da = T.alloc_local([1], "uint64")
         db = T.alloc_local([1], "uint64")
         if not res:
             if wg * 128 + tw == 0:  # before the ring's init: its fence and CTA barrier cover this one
                 T.ptx.mbarrier.init.shared.b64(rfull.ptr_to([0]), T.uint32(1))
+                if params:
+                    T.ptx.mbarrier.init.shared.b64(pfull.ptr_to([0]), T.uint32(32))
             init(full, empty, wg * 128 + tw)
             if wg == 0:
                 producer()
@@ -585,11 +657,13 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
                     if len(stg.tiles) > 0:
                         stage_in(t0_map, t1_map, R, rfull, bx, rk, 0)
                     produce(x_map, w_map, S, S, full, empty, bx * bm, rk * slice_n, 0)
+                if params:
+                    load_params(P0, P1, gamma, beta, E0, E1, Eg, pfull, tw, rk)
             else:
                 consumer()
                 consume(S, S, full, empty, acc, da, db, wg - 1, tw, 0)
                 # (no set of its own to hand back nor pushed partials: rfull stands in for remp and xbar)
-                epilogue(P0, P1, gamma, beta, out, out2, out_map, R, rfull, rfull, rfull, acc, (wg - 1) * 128 + tw, bx,
+                epilogue(E0, E1, Eg, Eb, out, out2, out_map, R, rfull, rfull, rfull, pfull, acc, (wg - 1) * 128 + tw, bx,
                          rk, 0, 0)
         else:
             remp = T.alloc_shared([2], "uint64", scope="shared", align=8)  # a staged set's store has read it
@@ -602,6 +676,8 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
                 for j in T.unroll(4):
                     T.ptx.mbarrier.init.shared.b64(xbar.ptr_to([j]), T.uint32(1))
                 T.ptx.mbarrier.init.shared.b64(wfull.ptr_to([0]), T.uint32(1))
+                if params:
+                    T.ptx.mbarrier.init.shared.b64(pfull.ptr_to([0]), T.uint32(32))
             init(full, empty, wg * 128 + tw)
             if ranks > 1:
                 T.cuda.cluster_sync()  # every CTA's barriers exist before a peer pushes to them
@@ -616,30 +692,32 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
                     for it in T.serial(iters):
                         T.cuda.mbarrier_wait(remp.ptr_to([it % 2]), (it // 2) % 2 ^ 1)
                         stage_in(t0_map, t1_map, R, rfull, bx + it * grid, rk, it % 2)
+                if params:
+                    load_params(P0, P1, gamma, beta, E0, E1, Eg, pfull, tw, rk)
             else:
                 consumer()
                 T.cuda.mbarrier_wait(wfull.ptr_to([0]), 0)
                 for it in T.serial(iters):
                     consume(S, W, full, empty, acc, da, db, wg - 1, tw, it * kt)
-                    epilogue(P0, P1, gamma, beta, out, out2, out_map, R, rfull, remp, xbar, acc, (wg - 1) * 128 + tw,
+                    epilogue(E0, E1, Eg, Eb, out, out2, out_map, R, rfull, remp, xbar, pfull, acc, (wg - 1) * 128 + tw,
                              bx + it * grid, rk, it % 2, (it // 2) % 2)
             if ranks > 1:
                 T.cuda.cluster_sync()  # no CTA leaves while a peer may still push to it
 
     # the parameter list depends on the spec (beta, a second output): the signature is
     # generated, the body is the macro above
-    params = [("x", (*lead, k), spec.dtype, (m, k)), ("w", (n, k), spec.dtype, None)]
-    params += [(f"p{j}", shape[j], d, shape2[j]) for j, (d, _) in enumerate(spec.operands)]
-    params += [("gamma", (n,), spec.params_dtype, None)] + ([("beta", (n,), spec.params_dtype, None)] if not rms else [])
-    params += [("out", (*lead, n), spec.out_dtype, (m, n))] + ([("norm", (*lead, n), "float32", (m, n))] if spec.norm_out else [])
-    lines = [f"def {spec.norm}_postnorm({', '.join(f'{p}_h: T.handle' for p, *_ in params)}):"]
-    lines += [f"    {p}_p = T.match_buffer({p}_h, {shp}, {dt!r}, align=16)" for p, shp, dt, _ in params]
+    signature = [("x", (*lead, k), spec.dtype, (m, k)), ("w", (n, k), spec.dtype, None)]
+    signature += [(f"p{j}", shape[j], d, shape2[j]) for j, (d, _) in enumerate(spec.operands)]
+    signature += [("gamma", (n,), spec.params_dtype, None)] + ([("beta", (n,), spec.params_dtype, None)] if not rms else [])
+    signature += [("out", (*lead, n), spec.out_dtype, (m, n))] + ([("norm", (*lead, n), "float32", (m, n))] if spec.norm_out else [])
+    lines = [f"def {spec.norm}_postnorm({', '.join(f'{p}_h: T.handle' for p, *_ in signature)}):"]
+    lines += [f"    {p}_p = T.match_buffer({p}_h, {shp}, {dt!r}, align=16)" for p, shp, dt, _ in signature]
     lines += [f"    {p}_map: T.let[T.handle('tensormap')] = T.tvm_stack_alloca('tensormap', 1)" for p in maps]
     lines += [f"    encode_{p}({p}_map, {p}_p.data)" for p in maps] + ["    T.device_entry()"]
     if cfg.ctas_per_sm > 1:  # __launch_bounds__(threads, ctas_per_sm)
         lines += [f"    T.attr({{'tirx.launch_bounds_min_blocks_per_sm': {cfg.ctas_per_sm}}})"]
-    lines += [f"    {p} = T.decl_buffer({view}, {dt!r}, data={p}_p.data)" if view else f"    {p} = {p}_p" for p, _, dt, view in params[2:]]
-    names = [p for p, *_ in params]
+    lines += [f"    {p} = T.decl_buffer({view}, {dt!r}, data={p}_p.data)" if view else f"    {p} = {p}_p" for p, _, dt, view in signature[2:]]
+    names = [p for p, *_ in signature]
     tiles = [f"p{j}_map" for j in stg.tiles] + ["None"] * (2 - len(stg.tiles))
     lines += [f"    body(x_map, w_map, {', '.join(tiles)}, {'out_map' if stg.store else 'None'}, p0, p1, gamma, "
               f"{'beta' if 'beta' in names else 'None'}, out, {'norm' if 'norm' in names else 'None'})"]

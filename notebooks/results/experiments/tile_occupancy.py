@@ -21,6 +21,25 @@ Prediction: correct everywhere. ffn2 on 128 x 256 three-CTA clusters under torch
 (~32.5 us; from 33.5); attnout no worse than its default. wide-short-k with two 64 x 256 CTAs
 an SM from ~50 to under torch.compile's ~43.5.
 
+Outcome (H200, session 12, commit 19da73d, ``../session12-h200-2026-12-04/tile-occupancy-19da73d.json``,
+device us): correct everywhere (the default's max error), both refuted:
+
+    shape            cuBLAS  torch.compile  default  bm128 3-stage staged  2 CTAs/SM (1 wg | 2 wg)  plain GEMM bm128 | 2 CTAs
+    4096x3072x768     27.1      32.9          32.9         37.6                58.2 | 50.5           37.4 | 42.5
+    4096x768x768       9.2      14.9          13.4         15.8                21.0 | 17.8           15.8 | 15.2
+    16384x256x1024    19.5      43.4          50.4         57.2                80.7 | 54.7           42.5 | 46.4
+    4096x4096x1024    45.5      52.3          60.3         96.1               140.8 | 132.4          50.8 | 71.8
+
+The 128 x 256 tile is slower as a plain GEMM too (37.4 at ffn2, against session 10's 30.8 for
+128 x 192): 96 CTAs leave 36 of 132 SMs idle. Two CTAs an SM lose everywhere: ptxas compiles
+the whole kernel to the launch bounds' registers, whatever ``setmaxnreg`` grants later, and
+rounds an SM's threads up to a multiple of 128 (2 x 160 threads get 168 registers, 2 x 288
+get 96; checked with ``-Xptxas -v``), so the epilogue spills 92-360 bytes with one consumer
+warpgroup, and two of 128 columns halve each wgmma. The defaults stay as they were: clusters of
+three are allowed (``CLUSTER_SIZES``) but not chosen (``DEFAULT_CLUSTER_SIZES``);
+``WgmmaConfig.ctas_per_sm`` and ``producer_warps`` stay available, off by default, and the
+register check now uses ptxas's budget (``WgmmaConfig.compiled_regs``).
+
 Same inputs for every contender, correctness checked before timing; ``kernel_us`` is the
 profiler's device time per call. Run on the GPU:
 ``bash .ci/gpu-run notebooks/results/experiments/tile_occupancy.py`` (writes ``$OUT/tile-occupancy.json``).

@@ -1,0 +1,56 @@
+"""One exchange round for LayerNorm, and the bias, gamma and beta staged in shared memory: a
+shorter post-norm epilogue? (issues 3 and 8)
+
+Nsight Compute on the short-K post-norm (session 11) showed warps stalled on barriers (2.1
+cycles per issued instruction) and on long scoreboard (2.1) as much as they issue. The epilogue
+has two rounds of barriers for LayerNorm: the row sums meet across quad lanes and warpgroups
+(a named barrier) and across the cluster (a cluster barrier), then the centred squares the same
+way. And every column pair's bias, gamma and beta is a global load behind a 64-bit address.
+
+- ``one_round``: each thread takes the mean and the centred sum of squares of its own values
+  (two passes over its registers), and those pairs are combined in one round by Chan et al.'s
+  formula for equal parts (``M2 = sum M2_i + n_i sum (mean_i - mean)^2``: no cancellation, as
+  the two-pass form). One named barrier and one cluster barrier fewer.
+- ``params``: the producer warpgroup's third warp, idle during the K loop, copies the slice's
+  bias, gamma and beta (widened to fp32) into shared memory; the epilogue reads them at fixed
+  offsets.
+
+Prediction: correct everywhere with the default's error; each lever a few percent at the short-K
+shapes (wide-short-k 50.4 toward torch.compile's 43.4), less at K >= 3072, where the epilogue
+is a small part of the kernel.
+
+Same inputs for every contender, correctness checked before timing; ``kernel_us`` is the
+profiler's device time per call. Run on the GPU:
+``bash .ci/gpu-run notebooks/results/experiments/epilogue_rounds.py`` (writes ``$OUT/epilogue-rounds.json``).
+"""
+
+import dataclasses
+
+import torch
+from wgmma_gemm import measure, postnorm_baselines, save  # the same directory: sys.path[0] when run as a script
+
+from tvm_comfuse.schedule.wgmma_postnorm import PostNorm, default_config, wgmma_postnorm
+
+#: (M, K, N): wide-short-k, ffn2, attnout, large-ffn2, a resident-W default, gpt-4k.
+SHAPES = [(16384, 256, 1024), (4096, 3072, 768), (4096, 768, 768), (4096, 4096, 1024), (16384, 256, 768), (8192, 4096, 4096)]
+VARIANTS = {"default": {}, "one_round": dict(one_round=True), "params": dict(params=True), "both": dict(one_round=True, params=True)}
+
+
+def main():
+    rows, gen = [], torch.Generator(device="cuda").manual_seed(13)
+    spec = PostNorm.suite("float16", "layer_norm")
+    for m, k, n in SHAPES:
+        inputs, ref, base, baselines = postnorm_baselines(m, k, n, gen, ("cublas_gemm_alone", "inductor"))
+        rows += baselines
+        cfg = default_config(n, m, k, spec)
+        for name, opts in VARIANTS.items():
+            row = dict(base, contender=f"wgmma_postnorm_{name}", config=dataclasses.asdict(cfg), **opts)
+            make = lambda: wgmma_postnorm(m, n, k, spec, cfg, **opts)  # noqa: E731,B023
+            rows.append(measure(row, make, inputs, torch.empty(m, n, device="cuda", dtype=torch.float16), ref))
+            text = f"err {row['max_abs_err']:.3g}, {row['kernel_us']:.1f} us device" if "us" in row else row["error"]
+            print(f"  {name}: {text}", flush=True)
+    save("epilogue-rounds.json", rows)
+
+
+if __name__ == "__main__":
+    main()
