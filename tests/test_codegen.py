@@ -316,7 +316,8 @@ def test_wgmma_mainloop_compiles_to_wgmma_for_sm90a(dtype, cfg):
 
 
 @pytest.mark.parametrize("kernel", ["gemm", "gemm_one_step", "postnorm_768", "postnorm_768_bk32", "postnorm_512_cluster",
-                                    "postnorm_1024", "rms_norm", "b2b", "b2b_bm64", "postnorm_resident"])
+                                    "postnorm_1024", "rms_norm", "b2b", "b2b_bm64", "postnorm_resident",
+                                    "postnorm_two_rounds", "postnorm_2ctas"])
 def test_wgmma_kernels_read_accumulators_only_after_the_last_wait(kernel):
     """No SASS instruction touches a wgmma accumulator while a wgmma group may still write it.
     ptxas hoists epilogue arithmetic above the final ``wait_group 0`` when the K loop leaves a
@@ -337,6 +338,8 @@ def test_wgmma_kernels_read_accumulators_only_after_the_last_wait(kernel):
         "b2b": lambda: wb.wgmma_b2b(1024, 256, 1024, 1024, "float16", "gelu"),
         "b2b_bm64": lambda: wb.wgmma_b2b(1024, 64, 1024, 1024, "float16", "gelu", 64),
         "postnorm_resident": lambda: wp.wgmma_postnorm(16384, 1024, 256, ln, wm.WgmmaConfig(64, 256, 3, 64, 2, 1, True)),
+        "postnorm_two_rounds": lambda: wp.wgmma_postnorm(4096, 768, 768, ln, one_round=False, params=False),
+        "postnorm_2ctas": lambda: wp.wgmma_postnorm(4096, 1024, 256, ln, wm.WgmmaConfig(64, 256, 3, 32, 2, ctas_per_sm=2, producer_warps=1)),
     }[kernel]()
     sass = codegen.sass(codegen.compile_with_nvcc(codegen.cuda_source(wm.build(func)), "sm_90a"))
     assert "HGMMA" in sass
@@ -452,6 +455,80 @@ def test_wgmma_postnorm_resident_weight_loops_over_row_blocks():
     assert "st.async.shared::cluster.mbarrier::complete_tx::bytes.f32" in ptx and "ld.shared::cluster" not in ptx
     assert ptx.count("barrier.cluster.arrive") == 2
     assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16" in ptx
+
+
+def test_wgmma_postnorm_layer_norm_statistics_cross_the_cluster_once():
+    """LayerNorm's mean and centred sum of squares cross the CTA and the cluster in one round
+    (each thread's pair, combined by Chan et al.'s formula; session 12), as RMSNorm's one sum
+    does: one named barrier and one cluster barrier for the statistics, not two. A resident W
+    pushes both of a row's partials onto one mbarrier."""
+    from tvm_comfuse.schedule import wgmma_mainloop as wm, wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
+
+    def ptx(spec, m=4096, n=768, k=768, **kw):
+        return codegen.compile_with_nvcc(codegen.cuda_source(wm.build(wp.wgmma_postnorm(m, n, k, spec, **kw))), "sm_90a", fmt="ptx").decode()
+
+    ln, rms = wp.PostNorm.suite("float16", "layer_norm"), wp.PostNorm.suite("float16", "rms_norm")
+    counts = {name: (code.count("barrier.cluster.arrive"), code.count("bar.sync")) for name, code in
+              (("ln", ptx(ln)), ("rms", ptx(rms)), ("ln_two_rounds", ptx(ln, one_round=False)))}
+    assert counts["ln"] == counts["rms"] and counts["ln_two_rounds"] == (counts["ln"][0] + 1, counts["ln"][1] + 1)
+    res = wm.WgmmaConfig(64, 256, 3, 64, 2, 1, True)
+    one, two = (ptx(ln, 16384, 1024, 256, cfg=res, one_round=r) for r in (True, False))
+    assert one.count("mbarrier.arrive.expect_tx") == two.count("mbarrier.arrive.expect_tx") - 1  # one push round a block
+
+
+def test_wgmma_postnorm_stages_bias_gamma_beta_in_shared_memory():
+    """The producer warpgroup's third warp copies the slice's bias, gamma and beta into shared
+    memory during the K loop (session 12): the epilogue reads them there, so gamma is read from
+    global memory only by that copy; ptxas's static shared memory stays within what
+    ``static_bytes + params_bytes`` accounts for, and the whole within the 227 KiB a CTA may have.
+    Without a producer warpgroup (producer warps) they stay in global memory."""
+    import subprocess  # pylint: disable=import-outside-toplevel
+    import tempfile  # pylint: disable=import-outside-toplevel
+
+    from tvm_comfuse.schedule import wgmma_mainloop as wm, wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
+
+    for norm, (m, n, k) in (("layer_norm", (4096, 768, 3072)), ("rms_norm", (16384, 1024, 256)), ("layer_norm", (8192, 4096, 4096))):
+        spec = wp.PostNorm.suite("float16", norm)
+        cfg = wp.default_config(n, m, k, spec)
+        stg = wp.staging(spec, cfg)
+        assert wp.stages_params(spec, cfg, n, k, stg)
+        staged, direct = (codegen.cuda_source(wm.build(wp.wgmma_postnorm(m, n, k, spec, params=p))) for p in (None, False))
+        # the epilogue's vector loads of gamma (one a column pair) are gone: the copy's scalar one remains
+        assert staged.count("gamma_ptr[") == 1 and "(gamma_ptr +" not in staged and direct.count("(gamma_ptr +") >= cfg.wg_cols // 8
+        with tempfile.TemporaryDirectory() as tmp:
+            open(f"{tmp}/k.cu", "w", encoding="utf-8").write(staged)
+            info = subprocess.run(["nvcc", "-arch=sm_90a", "-cubin", "-Xptxas", "-v", "-o", f"{tmp}/k.cubin", f"{tmp}/k.cu"],
+                                  capture_output=True, text=True, check=True).stderr
+        static = int(re.search(r"(\d+) bytes smem", info).group(1))
+        assert static <= wp.static_bytes(cfg, n // cfg.bn) + wp.params_bytes(spec, cfg) + 1024  # + alignment
+        assert cfg.smem_bytes + cfg.resident_bytes(k) + stg.smem_bytes(cfg) + static <= wp.SMEM_TOTAL
+    warps = wm.WgmmaConfig(64, 384, 3, 64, 2, producer_warps=2)
+    assert not wp.stages_params(spec, warps, 768, 768, wp.staging(spec, warps))
+
+
+def test_wgmma_config_register_budget_is_ptxas_budget():
+    """ptxas compiles the whole kernel within the launch bounds' registers (whatever setmaxnreg
+    grants later), an SM's threads rounded up to a multiple of 128: ``compiled_regs`` predicts it,
+    and ``problems`` refuses a 256-column consumer warpgroup two CTAs an SM with a producer
+    warpgroup (128 registers) while accepting it with a producer warp (168), whose launch bounds
+    name the two CTAs."""
+    import subprocess  # pylint: disable=import-outside-toplevel
+    import tempfile  # pylint: disable=import-outside-toplevel
+
+    from tvm_comfuse.schedule import wgmma_mainloop as wm  # pylint: disable=import-outside-toplevel
+
+    group, warp = wm.WgmmaConfig(64, 256, 3, 32, 1, ctas_per_sm=2), wm.WgmmaConfig(64, 256, 3, 32, 1, ctas_per_sm=2, producer_warps=1)
+    assert (group.threads, group.compiled_regs, warp.threads, warp.compiled_regs) == (256, 128, 160, 168)
+    assert any("registers" in p for p in group.problems(1024, 1024, 1024, "float16"))
+    assert warp.problems(1024, 1024, 1024, "float16") == []
+    source = codegen.cuda_source(wm.build(wm.wgmma_gemm(1024, 1024, 1024, cfg=warp)))
+    assert "__launch_bounds__(160, 2)" in source and "setmaxnreg" not in source.split("__launch_bounds__")[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        open(f"{tmp}/k.cu", "w", encoding="utf-8").write(source)
+        info = subprocess.run(["nvcc", "-arch=sm_90a", "-cubin", "-Xptxas", "-v", "-o", f"{tmp}/k.cubin", f"{tmp}/k.cu"],
+                              capture_output=True, text=True, check=True).stderr
+    assert int(re.search(r"Used (\d+) registers", info).group(1)) <= warp.compiled_regs
+    assert wm.WgmmaConfig(128, 256).compiled_regs == 168 and wm.WgmmaConfig(128, 256).consumer_regs == 232
 
 
 def test_wgmma_postnorm_resident_weight_refuses_what_it_cannot_hold():

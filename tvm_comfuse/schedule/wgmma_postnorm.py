@@ -9,8 +9,10 @@ registers, each thread sums its share of its two rows, the partial sums meet in 
 (4 quad lanes x ``wg_n`` warpgroups per row) and then across the cluster through distributed
 shared memory (``mapa`` + ``ld.shared::cluster`` between cluster barriers), and the normalised
 row is written once.
-LayerNorm takes two passes over the registers (mean, then the centred variance: no
-cancellation), RMSNorm one.
+LayerNorm takes two passes over the registers and one exchange (each thread's mean and centred
+sum of squares, combined by Chan et al.'s formula: no cancellation), RMSNorm one of each. The
+bias, gamma and beta are copied into shared memory by the idle producer warpgroup during the K
+loop (:func:`stages_params`; session 12: up to 3.6% at short K).
 
 Why slices: a CTA holds at most :data:`MAX_ROW` columns of 64 rows in registers (half as many
 of 128), and whole-row CTAs at M = 4096 would be only 64 for 132 SMs. :func:`default_config`
@@ -202,6 +204,23 @@ def static_bytes(cfg: WgmmaConfig, ranks: int) -> int:
     return 2 * cfg.bm * 4 * cfg.wg_n * 4 + exchange + 256
 
 
+def params_bytes(spec: PostNorm, cfg: WgmmaConfig) -> int:
+    """Shared memory of the staged bias, gamma and beta (:func:`stages_params`): the slice's
+    columns of each added vector in its dtype, and of gamma (and beta) widened to fp32."""
+    vectors = sum(2 if d in ("float16", "bfloat16") else 4 for d, tile in spec.operands if not tile)
+    return cfg.bn * (vectors + 4 * (1 if spec.norm == "rms_norm" else 2))
+
+
+def stages_params(spec: PostNorm, cfg: WgmmaConfig, n: int, k: int, stg: Staging) -> bool:
+    """Whether the producer warpgroup's third warp stages the bias, gamma and beta into shared
+    memory for the epilogue (where they fit beside everything else, and the producer is a
+    warpgroup). Measured on the H200 together with :func:`wgmma_postnorm`'s ``one_round``
+    (session 12, ``experiments/epilogue_rounds.py``): 3.6% faster at 16384x256x1024, 3.5% with
+    a resident W, 1.2% at 8192x4096x4096, within 1.2% either way on the other suite shapes."""
+    total = cfg.smem_bytes + cfg.resident_bytes(k) + stg.smem_bytes(cfg) + static_bytes(cfg, n // cfg.bn)
+    return cfg.producer_warps == 0 and total + params_bytes(spec, cfg) <= SMEM_TOTAL
+
+
 def resident_config(n: int, m: int, k: int, spec: PostNorm) -> WgmmaConfig | None:
     """The configuration whose clusters loop over row blocks with their W slice resident in
     shared memory (:data:`ACTIVE_CLUSTERS` of them, one wave), or None where none fits: 64 rows, the
@@ -317,13 +336,16 @@ def problems(m, n, k, spec: PostNorm, cfg: WgmmaConfig | None = None, stage: boo
 
 
 def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: WgmmaConfig | None = None, lead=None,
-                   stage: bool | None = None, one_round: bool = False, params: bool = False):
+                   stage: bool | None = None, one_round: bool = True, params: bool | None = None):
     """The fused kernel, a tirx PrimFunc for sm_90a with parameters ``(x[*lead, k], w[n, k],
     operand 0, operand 1, gamma[n], beta[n] (LayerNorm only), out[*lead, n], norm[*lead, n]
     (``spec.norm_out`` only))``: ``lead`` are the row dimensions (``(m,)`` by default; ``(B,
     S)`` for 3-D activations, read as ``B * S`` rows through 2-D views of the same memory, so
     the caller needs no reshape). ``stage``: whether tiles move through shared memory by TMA
-    (:func:`staging`; None: where they fit)."""
+    (:func:`staging`; None: where they fit). ``one_round``: LayerNorm's statistics cross the
+    CTA and the cluster in one round (each thread's mean and centred squares, combined by
+    :func:`combine`), not two (the sum, then the squares about the mean). ``params``: the bias,
+    gamma and beta staged in shared memory (None or True: where :func:`stages_params` says)."""
     found = problems(m, n, k, spec, cfg, stage)
     if found:
         raise ComFuseError("wgmma post-norm cannot take " + "; ".join(found))
@@ -331,7 +353,7 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
     acc_n, wg_cols, parts, rms = cfg.wg_cols // 2, cfg.wg_cols, 4 * cfg.wg_n, spec.norm == "rms_norm"
     bm, wg_m, wg_n, slice_n, ranks = cfg.bm, cfg.bm // 64, cfg.wg_n, cfg.bn, n // cfg.bn
     stg, boxes = staging(spec, cfg, stage), cfg.bn // BOX_COLS
-    params = params and cfg.producer_warps == 0  # loaded by the producer warpgroup's third warp
+    params = params is not False and stages_params(spec, cfg, n, k, stg)
     vec_ops = [j for j, (_, tile) in enumerate(spec.operands) if not tile]  # the added vectors (the bias)
     res, kt, blocks = cfg.resident, k // cfg.bk, m // bm
     # a resident W: the cluster loops over row blocks, its tiles staged twice over (``bufs``)
@@ -454,7 +476,6 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
                 T.ptx.mbarrier.arrive.shared.b64(remp.ptr_to([slot]), T.uint32(1))
 
     # pylint: disable=invalid-name,unused-variable,too-many-locals,too-many-arguments
-    # pylint: disable=invalid-name,unused-variable,too-many-locals,too-many-arguments
     @T.macro
     def combine(stat, h, got, p, cnt, count, per):
         """``stat[h, p ..]`` from the ``count`` partials ``got[p .., i]`` of one row: their sum
@@ -557,7 +578,9 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
                 acc[2 * q + j] = chain(acc[2 * q + j], P0, P1, R, bx * bm + lr + row, c0 + col, lr + row, l0 + col, slot)
         for i in T.unroll(acc_n):
             s[0, i // 2 % 2] = s[0, i // 2 % 2] + square(acc[i])
-        if one_round and not rms:  # the thread's mean and centred squares of its values, combined in one round
+        # LayerNorm in one round: the thread's mean and the centred squares of its values, combined.
+        # (A CTA looping over row blocks rewrites ``part`` only after stage_out's consumer barrier.)
+        if one_round and not rms:
             for h in T.unroll(2):
                 s[0, h] = s[0, h] * T.float32(4.0 / wg_cols)
                 s[1, h] = T.float32(0)
