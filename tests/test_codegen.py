@@ -317,7 +317,7 @@ def test_wgmma_mainloop_compiles_to_wgmma_for_sm90a(dtype, cfg):
 
 @pytest.mark.parametrize("kernel", ["gemm", "gemm_one_step", "postnorm_768", "postnorm_768_bk32", "postnorm_512_cluster",
                                     "postnorm_1024", "rms_norm", "b2b", "b2b_bm64", "postnorm_resident",
-                                    "postnorm_two_rounds", "postnorm_2ctas"])
+                                    "postnorm_two_rounds", "postnorm_2ctas", "postnorm_pingpong"])
 def test_wgmma_kernels_read_accumulators_only_after_the_last_wait(kernel):
     """No SASS instruction touches a wgmma accumulator while a wgmma group may still write it.
     ptxas hoists epilogue arithmetic above the final ``wait_group 0`` when the K loop leaves a
@@ -340,6 +340,7 @@ def test_wgmma_kernels_read_accumulators_only_after_the_last_wait(kernel):
         "postnorm_resident": lambda: wp.wgmma_postnorm(16384, 1024, 256, ln, wm.WgmmaConfig(64, 256, 3, 64, 2, 1, True)),
         "postnorm_two_rounds": lambda: wp.wgmma_postnorm(4096, 768, 768, ln, one_round=False, params=False),
         "postnorm_2ctas": lambda: wp.wgmma_postnorm(4096, 1024, 256, ln, wm.WgmmaConfig(64, 256, 3, 32, 2, ctas_per_sm=2, producer_warps=1)),
+        "postnorm_pingpong": lambda: wp.wgmma_postnorm(16384, 768, 256, ln, wm.WgmmaConfig(64, 192, 4, 64, 1, 1, True, pingpong=True)),
     }[kernel]()
     sass = codegen.sass(codegen.compile_with_nvcc(codegen.cuda_source(wm.build(func)), "sm_90a"))
     assert "HGMMA" in sass
@@ -529,6 +530,30 @@ def test_wgmma_config_register_budget_is_ptxas_budget():
                               capture_output=True, text=True, check=True).stderr
     assert int(re.search(r"Used (\d+) registers", info).group(1)) <= warp.compiled_regs
     assert wm.WgmmaConfig(128, 256).compiled_regs == 168 and wm.WgmmaConfig(128, 256).consumer_regs == 232
+
+
+def test_wgmma_postnorm_pingpong_groups_take_alternate_row_blocks():
+    """Ping-pong consumers on a resident W (session 12): two warpgroups, each a whole 64-row
+    block's slice (one wgmma tile), take alternate row blocks; their mainloops alternate on two
+    mbarriers, each has its own named barrier (bar.sync 1 + group, 128 threads) and its own two
+    exchange sets (eight mbarriers for the cluster's row partials), and each ring slot has one
+    reader. Elsewhere it is refused with the reason."""
+    from tvm_comfuse.schedule import wgmma_mainloop as wm, wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
+
+    spec = wp.PostNorm.suite()
+    cfg = wm.WgmmaConfig(64, 192, 4, 64, 1, 1, True, pingpong=True)
+    assert (cfg.consumers, cfg.slot_readers, cfg.threads) == (2, 1, 384) and wp.problems(16384, 768, 256, spec, cfg) == []
+    source = codegen.cuda_source(wm.build(wp.wgmma_postnorm(16384, 768, 256, spec, cfg)))
+    assert "turn_ptr[2]" in source and "xbar_ptr[8]" in source
+    assert "bar_sync_count_sync(((uint)1 + ((uint)((warp_id_in_cta >> 2) - 1))), (uint)128)" in source
+    ptx = codegen.compile_with_nvcc(source, "sm_90a", fmt="ptx").decode()
+    assert "wgmma.mma_async.sync.aligned.m64n192k16.f32.f16.f16" in ptx and ptx.count("barrier.cluster.arrive") == 2
+    # every slot's "empty" barrier expects one arrival a use (one group reads it)
+    assert "(&(empty_ptr[0]))), (uint)1);" in source
+    streaming = wm.WgmmaConfig(64, 192, 4, 64, 1, pingpong=True)
+    assert any("ping-pong" in p for p in wp.problems(4096, 768, 768, spec, streaming))
+    assert any("ping-pong" in p for p in wp.problems(16384, 768, 256, spec, wm.WgmmaConfig(64, 192, 4, 64, 2, 1, True, pingpong=True)))
+    assert wp.default_config(768, 16384, 256, spec) == wm.WgmmaConfig(64, 192, 4, 64, 2, 1, True)  # not the default (unmeasured)
 
 
 def test_wgmma_postnorm_resident_weight_refuses_what_it_cannot_hold():

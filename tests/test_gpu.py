@@ -259,6 +259,13 @@ def test_gpu_wgmma_mainloop_matches_torch(M, N, K, dtype, cfg):
     (16384, 768, 256, "bfloat16", "layer_norm", (64, 192, 4, 64, 2, 1, True), None),
     (8192, 256, 1024, "float16", "layer_norm", (64, 64, 4, 64, 2, 1, True), None),
     (16384, 128, 128, "float16", "rms_norm", (64, 128, 4, 64, 2, 1, True), None),
+    # ping-pong consumer groups on a resident W (session 12: not yet run on a GPU): uneven blocks
+    # a cluster (so one group has a block more), bf16 LayerNorm, 64-column slices
+    (15936, 1024, 256, "float16", "rms_norm", (64, 256, 2, 64, 1, 1, True, 1, 0, True), None),
+    (16384, 768, 256, "bfloat16", "layer_norm", (64, 192, 4, 64, 1, 1, True, 1, 0, True), None),
+    (8192, 256, 1024, "float16", "layer_norm", (64, 64, 4, 64, 1, 1, True, 1, 0, True), None),
+    # two CTAs an SM with a producer warp (session 12: correct, slower)
+    (4096, 1024, 256, "float16", "layer_norm", (64, 256, 3, 32, 2, 1, False, 2, 1), None),
 ])
 def test_gpu_wgmma_postnorm_matches_torch(M, N, K, dtype, norm, cfg, stage):
     """The fused Hopper post-norm (warp-specialised wgmma mainloop + register row epilogue, 64 or

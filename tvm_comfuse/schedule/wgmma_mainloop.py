@@ -84,10 +84,19 @@ class WgmmaConfig:
     #: two CTAs an SM of a 256-column consumer warpgroup (154 registers) compile only with a
     #: producer warp (2 x 160 threads: 168 registers; with a warpgroup 2 x 256: 128).
     producer_warps: int = 0
+    #: Two groups of consumer warpgroups take alternate tiles (row blocks of a CTA that loops
+    #: over them: :mod:`.wgmma_postnorm`'s resident W), their mainloops in turn, so one group's
+    #: epilogue runs beside the other's mainloop (CUTLASS's "ping-pong" schedule).
+    pingpong: bool = False
+
+    @property
+    def slot_readers(self) -> int:
+        """Consumer warpgroups that read each ring slot: those of one tile."""
+        return self.bm // 64 * self.wg_n
 
     @property
     def consumers(self) -> int:
-        return self.bm // 64 * self.wg_n
+        return self.slot_readers * (2 if self.pingpong else 1)
 
     @property
     def threads(self) -> int:
@@ -278,11 +287,15 @@ def roles(cfg: WgmmaConfig):
 
 
 def consumer_sync(cfg: WgmmaConfig):
-    """``sync()``: a barrier of the consumer warpgroups only (the producer does not take part)."""
+    """``sync(group)``: a barrier of the consumer warpgroups of one tile only (the producer does
+    not take part; with ``pingpong`` each of the two groups has its own)."""
 
     @T.macro
-    def sync():
-        T.ptx["bar.sync"](CONSUMER_BARRIER, 128 * cfg.consumers)
+    def sync(group):
+        if cfg.pingpong:  # one named barrier a group (group is the warpgroup's, at run time)
+            T.ptx["bar.sync"](T.uint32(CONSUMER_BARRIER) + T.cast(group, "uint32"), 128 * cfg.slot_readers)
+        else:
+            T.ptx["bar.sync"](CONSUMER_BARRIER, 128 * cfg.consumers)
 
     return sync
 

@@ -34,7 +34,10 @@ slice loaded once into shared memory, the CTA looping over row blocks while its 
 streams x through the ring and, from a second warp, the next block's residual into the other of
 two staged sets; the row partials then cross the cluster by ``st.async`` onto mbarriers (the
 producer, a block ahead, never meets a cluster barrier). The default where it measured faster
-(:func:`resident_pays`): 15-22% at N = 768, K = 256.
+(:func:`resident_pays`): 15-22% at N = 768, K = 256. With ``WgmmaConfig(pingpong=True)`` (session
+12, opt-in until measured on a GPU) its two consumer warpgroups each own a whole block's slice and
+take alternate row blocks, their mainloops in turn (the ``turn`` mbarriers), so one's epilogue
+runs beside the other's wgmmas; each has its own named barrier and two exchange sets of its own.
 """
 
 from __future__ import annotations
@@ -200,8 +203,8 @@ def static_bytes(cfg: WgmmaConfig, ranks: int) -> int:
     """The epilogue's static shared memory: per row the partial sums of ``4 * wg_n`` threads
     (two passes), the cluster's row partials (two passes; with a resident W each CTA receives
     all ``ranks`` of them, for two row blocks in turn), and the mbarriers."""
-    exchange = 2 * 2 * ranks * cfg.bm * 4 if cfg.resident else 2 * cfg.bm * 4
-    return 2 * cfg.bm * 4 * cfg.wg_n * 4 + exchange + 256
+    exchange = 2 * 2 * ranks * cfg.bm * 4 * (2 if cfg.pingpong else 1) if cfg.resident else 2 * cfg.bm * 4
+    return 2 * cfg.bm * 4 * cfg.wg_n * 4 * (2 if cfg.pingpong else 1) + exchange + 256
 
 
 def params_bytes(spec: PostNorm, cfg: WgmmaConfig) -> int:
@@ -332,6 +335,9 @@ def problems(m, n, k, spec: PostNorm, cfg: WgmmaConfig | None = None, stage: boo
             found.append("a resident W with two CTAs an SM (its grid is one wave of one-CTA-per-SM clusters)")
         if cfg.producer_warps == 1:
             found.append("a resident W with one producer warp (its staged tiles load from a second: 0 or 2)")
+    if cfg.pingpong and (not cfg.resident or cfg.bm != 64 or cfg.wg_n != 1):
+        found.append(f"{cfg}: ping-pong consumer warpgroups take alternate row blocks of a resident W, 64 rows and the "
+                     f"whole slice each (resident, bm = 64, wg_n = 1)")
     return found + cfg.problems(m, n, k, spec.dtype)
 
 
@@ -362,9 +368,10 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
     staged_elems = stg.smem_bytes(cfg) // 2
     produce, consume = mainloop(cfg, k, spec.dtype)
     load_w = load_resident(cfg, k)
-    init = Ring(cfg.stages, cfg.consumers).init()
+    init = Ring(cfg.stages, cfg.slot_readers).init()
     producer, consumer = roles(cfg)
     sync = consumer_sync(cfg)
+    pingpong = cfg.pingpong
     lead = tuple(lead or (m,))
     if math.prod(lead) != m:
         raise ComFuseError(f"wgmma post-norm: row dimensions {lead} do not multiply to M = {m}")
@@ -459,12 +466,12 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
             load_tile(t1_map, R, 1, rfull, bx, rk, slot)
 
     @T.macro
-    def stage_out(out_map, R, remp, tx, bx, rk, slot):
+    def stage_out(out_map, R, remp, tx, grp, bx, rk, slot):
         """The output tile from the first region of set ``slot`` of ``R`` to global memory, one
         TMA store per box, after every consumer thread's writes are visible to the async proxy;
         with a resident W, the set is then handed back to the producer (``remp[slot]``)."""
         T.ptx["fence.proxy.async.shared::cta"]()
-        sync()
+        sync(grp)
         if tx == 0:
             for h in T.unroll(wg_m):
                 for b in T.unroll(boxes):
@@ -520,7 +527,7 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
             combine(stat, h, got, p, cnt, ranks, slice_n)
 
     @T.macro
-    def row_total(part, rowpart, xbar, peer, got, tx, s, stat, p, cnt, rk, slot, phase):
+    def row_total(part, rowpart, xbar, peer, got, tx, grp, s, stat, p, cnt, rk, slot, phase):
         """``stat[h, p .. p + cnt)``: over the whole row ``r0 + 8h``, what the threads hold in
         ``s[p .., h]`` combined (:func:`combine`): across quad lanes and the row's warpgroups
         through ``part``, across the cluster's CTAs (the row's column slices) through
@@ -528,12 +535,12 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
         r0 = T.meta_var(first_row(tx) + fragment(tx, 0)[0])  # in the CTA's tile
         for h in T.unroll(2):
             for v in T.unroll(cnt):
-                part[p + v, r0 + 8 * h, column_part(tx) * 4 + tx % 4] = s[p + v, h]
-        sync()
+                part[grp, p + v, r0 + 8 * h, column_part(tx) * 4 + tx % 4] = s[p + v, h]
+        sync(grp)
         for h in T.unroll(2):
             for v in T.unroll(cnt):
                 for j in T.unroll(parts):
-                    got[p + v, j] = part[p + v, r0 + 8 * h, j]
+                    got[p + v, j] = part[grp, p + v, r0 + 8 * h, j]
             combine(stat, h, got, p, cnt, parts, wg_cols // 4)
         if ranks > 1 and res:
             push_rows(rowpart, xbar, peer, got, tx, stat, p, cnt, rk, slot, phase)
@@ -551,13 +558,21 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
                 combine(stat, h, got, p, cnt, ranks, slice_n)
 
     @T.macro
-    def epilogue(P0, P1, gamma, beta, out, out2, out_map, R, rfull, remp, xbar, pfull, acc, tx, bx, rk, slot, phase):
-        """The chain and the norm on the accumulators of consumer thread ``tx``, rows of row
-        block ``bx``, columns of its slice ``rk``; staged tiles in set ``slot`` of ``R``, in
-        their ``phase`` (0 without a resident W: one block a CTA)."""
-        part = T.alloc_shared([2, bm, parts], "float32")  # per row: 4 quad lanes x wg_n warpgroups
+    def epilogue(P0, P1, gamma, beta, out, out2, out_map, R, rfull, remp, xbar, pfull, acc, tx, grp, bx, rk, slot, phase):
+        """The chain and the norm on the accumulators of consumer thread ``tx`` of group ``grp``
+        (0; with ping-pong consumers the group's index), rows of row block ``bx``, columns of its
+        slice ``rk``; staged tiles in set ``slot`` of ``R``, in their ``phase`` (0 without a
+        resident W: one block a CTA). With ping-pong groups, ``phase`` is the group's block
+        count: its staged set alternates phases, and its row partials alternate between two
+        exchange sets of its own, so that, as without groups, a CTA pushes into a set only after
+        it has received every peer's partials of the group's block in between."""
+        if pingpong:
+            rphase, xslot, xphase = T.meta_var((phase % 2, 2 * slot + phase % 2, phase // 2 % 2))
+        else:
+            rphase, xslot, xphase = T.meta_var((phase, slot, phase))
+        part = T.alloc_shared([2 if pingpong else 1, 2, bm, parts], "float32")  # [group, pass, row, 4 quad lanes x wg_n warpgroups]
         # per row: this CTA's slice, read by the cluster (a resident W: every rank's, pushed, for two blocks in turn)
-        rowpart = T.alloc_shared([2, 2, ranks, bm] if res else [2, bm], "float32")
+        rowpart = T.alloc_shared([4 if pingpong else 2, 2, ranks, bm] if res else [2, bm], "float32")
         s = T.alloc_local([2, 2], "float32")  # [pass, row half]: this thread's partials of its rows r0 and r0 + 8
         stat = T.alloc_local([2, 2], "float32")  # [row half, mean / rstd]
         peer = T.alloc_local([2 if res else 1], "uint32")
@@ -568,7 +583,7 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
         for h in T.unroll(2):
             s[0, h] = T.float32(0)
         if len(stg.tiles) > 0:
-            T.cuda.mbarrier_wait(rfull.ptr_to([slot]), phase)
+            T.cuda.mbarrier_wait(rfull.ptr_to([slot]), rphase)
         if params:
             T.cuda.mbarrier_wait(pfull.ptr_to([0]), 0)
         # accumulators 2q and 2q + 1 are one row's adjacent columns: vector loads and stores
@@ -586,9 +601,9 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
                 s[1, h] = T.float32(0)
             for i in T.unroll(acc_n):
                 s[1, i // 2 % 2] = s[1, i // 2 % 2] + (acc[i] - s[0, i // 2 % 2]) * (acc[i] - s[0, i // 2 % 2])
-            row_total(part, rowpart, xbar, peer, got, tx, s, stat, 0, 2, rk, slot, phase)
+            row_total(part, rowpart, xbar, peer, got, tx, grp, s, stat, 0, 2, rk, xslot, xphase)
         else:
-            row_total(part, rowpart, xbar, peer, got, tx, s, stat, 0, 1, rk, slot, phase)
+            row_total(part, rowpart, xbar, peer, got, tx, grp, s, stat, 0, 1, rk, xslot, xphase)
             for h in T.unroll(2):
                 stat[h, 0] = stat[h, 0] / T.float32(n)  # mean, or mean square for RMSNorm
             if not rms:
@@ -596,7 +611,7 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
                     s[1, h] = T.float32(0)
                 for i in T.unroll(acc_n):
                     s[1, i // 2 % 2] = s[1, i // 2 % 2] + (acc[i] - stat[i // 2 % 2, 0]) * (acc[i] - stat[i // 2 % 2, 0])
-                row_total(part, rowpart, xbar, peer, got, tx, s, stat, 1, 1, rk, slot, phase)
+                row_total(part, rowpart, xbar, peer, got, tx, grp, s, stat, 1, 1, rk, xslot, xphase)
         for h in T.unroll(2):
             if rms:
                 stat[h, 1] = T.rsqrt(stat[h, 0] + T.float32(spec.eps))
@@ -609,7 +624,7 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
                 y = T.meta_var((acc[2 * q + j] - stat[q % 2, 0]) * stat[q % 2, 1] * scale(gamma, c0 + col, l0 + col))
                 store(out, out2, R, bx * bm + lr + row, c0 + col, lr + row, l0 + col, shift(y, beta, c0 + col, l0 + col), slot)
         if stg.store:
-            stage_out(out_map, R, remp, tx, bx, rk, slot)
+            stage_out(out_map, R, remp, tx, grp, bx, rk, slot)
         if ranks > 1 and not res:
             T.cuda.cluster_sync()  # no CTA leaves while the cluster may still read its rowpart
 
@@ -686,19 +701,27 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
                 consumer()
                 consume(S, S, full, empty, acc, da, db, wg - 1, tw, 0)
                 # (no set of its own to hand back nor pushed partials: rfull stands in for remp and xbar)
-                epilogue(E0, E1, Eg, Eb, out, out2, out_map, R, rfull, rfull, rfull, pfull, acc, (wg - 1) * 128 + tw, bx,
-                         rk, 0, 0)
+                epilogue(E0, E1, Eg, Eb, out, out2, out_map, R, rfull, rfull, rfull, pfull, acc, (wg - 1) * 128 + tw, 0,
+                         bx, rk, 0, 0)
         else:
             remp = T.alloc_shared([2], "uint64", scope="shared", align=8)  # a staged set's store has read it
-            xbar = T.alloc_shared([4], "uint64", scope="shared", align=8)  # [set, pass]: the cluster's row partials
+            # [set, pass]: the cluster's row partials (ping-pong: a group's two sets apart from the other's)
+            xbar = T.alloc_shared([8 if pingpong else 4], "uint64", scope="shared", align=8)
             wfull = T.alloc_shared([1], "uint64", scope="shared", align=8)
+            if pingpong:
+                turn = T.alloc_shared([2], "uint64", scope="shared", align=8)  # [group]: the other group's mainloop is done
+            else:
+                turn = T.meta_var(None)
             if wg * 128 + tw == 0:
                 for j in T.unroll(2):
                     T.ptx.mbarrier.init.shared.b64(rfull.ptr_to([j]), T.uint32(1))
                     T.ptx.mbarrier.init.shared.b64(remp.ptr_to([j]), T.uint32(1))
-                for j in T.unroll(4):
+                for j in T.unroll(8 if pingpong else 4):
                     T.ptx.mbarrier.init.shared.b64(xbar.ptr_to([j]), T.uint32(1))
                 T.ptx.mbarrier.init.shared.b64(wfull.ptr_to([0]), T.uint32(1))
+                if pingpong:
+                    for j in T.unroll(2):
+                        T.ptx.mbarrier.init.shared.b64(turn.ptr_to([j]), T.uint32(1))
                 if params:
                     T.ptx.mbarrier.init.shared.b64(pfull.ptr_to([0]), T.uint32(32))
             init(full, empty, wg * 128 + tw)
@@ -720,10 +743,20 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
             else:
                 consumer()
                 T.cuda.mbarrier_wait(wfull.ptr_to([0]), 0)
-                for it in T.serial(iters):
-                    consume(S, W, full, empty, acc, da, db, wg - 1, tw, it * kt)
-                    epilogue(E0, E1, Eg, Eb, out, out2, out_map, R, rfull, remp, xbar, pfull, acc, (wg - 1) * 128 + tw,
-                             bx + it * grid, rk, it % 2, (it // 2) % 2)
+                if pingpong:  # group wg - 1 takes blocks wg - 1, wg + 1, ...: their mainloops alternate with the other's
+                    for j in T.serial((iters + 2 - wg) // 2):
+                        if j + wg - 2 >= 0:  # the other group's previous block has left the ring
+                            T.cuda.mbarrier_wait(turn.ptr_to([wg - 1]), (j + wg - 2) % 2)
+                        consume(S, W, full, empty, acc, da, db, 0, tw, (wg - 1 + 2 * j) * kt)
+                        if tw == 0:
+                            T.ptx.mbarrier.arrive.shared.b64(turn.ptr_to([2 - wg]), T.uint32(1))
+                        epilogue(E0, E1, Eg, Eb, out, out2, out_map, R, rfull, remp, xbar, pfull, acc, tw, wg - 1,
+                                 bx + (wg - 1 + 2 * j) * grid, rk, wg - 1, j)
+                else:
+                    for it in T.serial(iters):
+                        consume(S, W, full, empty, acc, da, db, wg - 1, tw, it * kt)
+                        epilogue(E0, E1, Eg, Eb, out, out2, out_map, R, rfull, remp, xbar, pfull, acc, (wg - 1) * 128 + tw, 0,
+                                 bx + it * grid, rk, it % 2, (it // 2) % 2)
             if ranks > 1:
                 T.cuda.cluster_sync()  # no CTA leaves while a peer may still push to it
 

@@ -46,7 +46,7 @@ profiler's device time per call. Run on the GPU:
 import dataclasses
 
 import torch
-from wgmma_gemm import measure, postnorm_baselines, save  # the same directory: sys.path[0] when run as a script
+from wgmma_gemm import measure_postnorm, postnorm_baselines, save  # the same directory: sys.path[0] when run as a script
 
 from tvm_comfuse.schedule.wgmma_postnorm import PostNorm, default_config, wgmma_postnorm
 
@@ -65,11 +65,8 @@ def main():
         rows += baselines
         cfg = default_config(n, m, k, spec)
         for name, opts in VARIANTS.items():
-            row = dict(base, contender=f"wgmma_postnorm_{name}", config=dataclasses.asdict(cfg), **opts)
             make = lambda: wgmma_postnorm(m, n, k, spec, cfg, **opts)  # noqa: E731,B023
-            rows.append(measure(row, make, inputs, torch.empty(m, n, device="cuda", dtype=torch.float16), ref))
-            text = f"err {row['max_abs_err']:.3g}, {row['kernel_us']:.1f} us device" if "us" in row else row["error"]
-            print(f"  {name}: {text}", flush=True)
+            rows.append(measure_postnorm(base, inputs, ref, m, n, k, spec, name, make, config=dataclasses.asdict(cfg), **opts))
     save("epilogue-rounds.json", rows)
 
 

@@ -48,7 +48,7 @@ profiler's device time per call. Run on the GPU:
 import dataclasses
 
 import torch
-from wgmma_gemm import measure, postnorm_baselines, save  # the same directory: sys.path[0] when run as a script
+from wgmma_gemm import first_fitting, measure, measure_postnorm, postnorm_baselines, save  # the same directory: sys.path[0] when run as a script
 
 from tvm_comfuse.schedule.wgmma_mainloop import WgmmaConfig, wgmma_gemm
 from tvm_comfuse.schedule.wgmma_postnorm import PostNorm, default_config, problems, wgmma_postnorm
@@ -65,11 +65,9 @@ def variants(m, k, n, spec):
     found = [("default", default_config(n, m, k, spec), None), ("bm128_bn256_staged", WgmmaConfig(128, 256, 3, 64, 1), True),
              ("bm128_bn256_unstaged", WgmmaConfig(128, 256, 4, 64, 1), False)]
     for wg_n in (1, 2):
-        for stages, bk in ((4, 32), (2, 64), (3, 32), (2, 32)):
-            cfg = WgmmaConfig(64, 256, stages, bk, wg_n, ctas_per_sm=2, producer_warps=1)
-            if not problems(m, n, k, spec, cfg, True):
-                found.append((f"bm64_bn256_wg{wg_n}_2ctas", cfg, True))
-                break
+        cfg = first_fitting(m, n, k, spec, WgmmaConfig(64, 256, wg_n=wg_n, ctas_per_sm=2, producer_warps=1),
+                            ((4, 32), (2, 64), (3, 32), (2, 32)), True)
+        found += [(f"bm64_bn256_wg{wg_n}_2ctas", cfg, True)] if cfg else []
     return [(name, cfg, stage) for name, cfg, stage in found if not problems(m, n, k, spec, cfg, stage)]
 
 
@@ -82,11 +80,8 @@ def main():
         x, w = inputs[:2]
         gemm_ref = x.float() @ w.float().T
         for name, cfg, stage in variants(m, k, n, spec):
-            row = dict(base, contender=f"wgmma_postnorm_{name}", config=dataclasses.asdict(cfg), staged=stage)
             make = lambda: wgmma_postnorm(m, n, k, spec, cfg, stage=stage)  # noqa: E731,B023
-            rows.append(measure(row, make, inputs, torch.empty(m, n, device="cuda", dtype=torch.float16), ref))
-            text = f"err {row['max_abs_err']:.3g}, {row['kernel_us']:.1f} us device" if "us" in row else row["error"]
-            print(f"  {name} {cfg}: {text}", flush=True)
+            rows.append(measure_postnorm(base, inputs, ref, m, n, k, spec, name, make, config=dataclasses.asdict(cfg), staged=stage))
         for name, cfg in (("bm128_bn256", WgmmaConfig(128, 256, 4, 64, 1)),
                           ("bm64_bn256_2ctas", WgmmaConfig(64, 256, 4, 32, 1, ctas_per_sm=2, producer_warps=1))):
             if cfg.problems(m, n, k, "float16"):

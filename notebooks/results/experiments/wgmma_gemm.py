@@ -22,6 +22,7 @@ Run on the GPU: ``bash .ci/gpu-run notebooks/results/experiments/wgmma_gemm.py``
 ``$OUT/wgmma-gemm.json``).
 """
 
+import dataclasses
 import json
 import os
 
@@ -31,7 +32,7 @@ from tvm_comfuse import bench
 from tvm_comfuse.schedule.space_check import _median_us
 from tvm_comfuse.schedule.wgmma_b2b import wgmma_b2b
 from tvm_comfuse.schedule.wgmma_mainloop import SMEM_LIMIT, WgmmaConfig, build, wgmma_gemm
-from tvm_comfuse.schedule.wgmma_postnorm import PostNorm, default_config, staging, wgmma_postnorm
+from tvm_comfuse.schedule.wgmma_postnorm import PostNorm, default_config, problems, staging, wgmma_postnorm
 
 import tvm
 
@@ -61,6 +62,16 @@ def measure(row: dict, make, inputs: list, out, ref) -> dict:
         timed(row, lambda: kernel(*args))
     except Exception as err:  # pylint: disable=broad-except
         row["error"] = (str(err).strip().splitlines() or [type(err).__name__])[-1][:200]
+    return row
+
+
+def measure_postnorm(base: dict, inputs: list, ref, m, n, k, spec, name: str, make, **fields) -> dict:
+    """The row of post-norm kernel ``make()`` (``wgmma_postnorm_<name>``, ``fields`` recorded
+    with it) on :func:`postnorm_inputs`' ``inputs``, measured by :func:`measure`; prints one line."""
+    row = measure(dict(base, contender=f"wgmma_postnorm_{name}", **fields), make, inputs,
+                  torch.empty(m, n, device="cuda", dtype=torch.float16), ref)
+    text = f"err {row['max_abs_err']:.3g}, {row['kernel_us']:.1f} us device" if "us" in row else row["error"]
+    print(f"  {name} {fields.get('config', '')}: {text}", flush=True)
     return row
 
 
@@ -141,6 +152,16 @@ def deepest_bk32(spec, cfg, k):
     shallow = WgmmaConfig(cfg.bm, cfg.bn, 2, 32, cfg.wg_n)
     stages = (SMEM_LIMIT - staging(spec, shallow).smem_bytes(shallow)) // ((cfg.bm + cfg.bn) * 32 * 2)
     return WgmmaConfig(cfg.bm, cfg.bn, min(8, stages, max(2, k // 32)), 32, cfg.wg_n)
+
+
+def first_fitting(m, n, k, spec, cfg, rings=((4, 64), (3, 64), (2, 64)), stage=None, **changes):
+    """``cfg`` with ``changes`` on the first of ``rings`` (``(stages, bk)``, deepest first) that
+    the post-norm kernel can run for this shape (:func:`~tvm_comfuse.schedule.wgmma_postnorm.problems`), or None."""
+    for stages, bk in rings:
+        found = dataclasses.replace(cfg, stages=stages, bk=bk, **changes)
+        if not problems(m, n, k, spec, found, stage):
+            return found
+    return None
 
 
 def postnorm():

@@ -1,0 +1,61 @@
+"""Ping-pong consumer warpgroups on a resident W: does one group's epilogue hide behind the other's
+mainloop? (issues 3 and 8; prepared in session 12, not yet run)
+
+At short K the post-norm is bound by its epilogue (Nsight Compute, session 11: warps stalled on
+barriers and long scoreboard as much as they issue, eight consumer warps a CTA), and the resident
+kernel's two consumer warpgroups split each row block's columns, so they meet at every barrier of
+the row exchange and the tensor cores idle through every epilogue. With ``WgmmaConfig(pingpong=
+True)`` each warpgroup owns a whole 64-row block's slice (one m64nN wgmma tile) and the two take
+alternate row blocks, their mainloops in turn (two mbarriers), CUTLASS's ping-pong schedule: while
+one runs its chain, row exchange and stores, the other's wgmmas run, and neither waits at the
+other's barriers (a named barrier and two exchange sets each).
+
+Prediction: correct everywhere with the resident kernel's error. Where the resident kernel won
+(N = 768, K = 256) 10-25% faster than it, so 16384x256x768 clearly under torch.compile (32.8 us);
+at 16384x256x1024 (a two-stage ring of A beside the 128 KiB W slice) faster than the resident
+kernel but still behind torch.compile (43.4).
+
+Same inputs for every contender, correctness checked before timing; ``kernel_us`` is the
+profiler's device time per call. Run on the GPU:
+``bash .ci/gpu-run notebooks/results/experiments/pingpong.py`` (writes ``$OUT/pingpong.json``).
+"""
+
+import dataclasses
+
+import torch
+from wgmma_gemm import first_fitting, measure_postnorm, postnorm_baselines, save  # the same directory: sys.path[0] when run as a script
+
+from tvm_comfuse.errors import ComFuseError
+from tvm_comfuse.schedule.wgmma_postnorm import PostNorm, default_config, wgmma_postnorm
+
+#: (M, K, N): the resident kernel's wins, and the suite's wide-short-k.
+SHAPES = [(16384, 256, 768), (65536, 256, 768), (16384, 256, 1024)]
+
+
+def variants(m, k, n, spec):
+    """``(name, cfg)``: the streaming and the resident default, and the resident slices with
+    ping-pong groups (one warpgroup a slice), the deepest ring (up to 4 stages) that fits."""
+    found = []
+    for name, resident in (("streaming", False), ("resident", True)):
+        try:
+            found.append((name, default_config(n, m, k, spec, resident=resident)))
+        except ComFuseError:
+            continue
+    pingpong = first_fitting(m, n, k, spec, found[-1][1], wg_n=1, pingpong=True) if found[-1][0] == "resident" else None
+    return found + ([("pingpong", pingpong)] if pingpong else [])
+
+
+def main():
+    rows, gen = [], torch.Generator(device="cuda").manual_seed(14)
+    spec = PostNorm.suite("float16", "layer_norm")
+    for m, k, n in SHAPES:
+        inputs, ref, base, baselines = postnorm_baselines(m, k, n, gen, ("cublas_gemm_alone", "inductor"))
+        rows += baselines
+        for name, cfg in variants(m, k, n, spec):
+            make = lambda: wgmma_postnorm(m, n, k, spec, cfg)  # noqa: E731,B023
+            rows.append(measure_postnorm(base, inputs, ref, m, n, k, spec, name, make, config=dataclasses.asdict(cfg)))
+    save("pingpong.json", rows)
+
+
+if __name__ == "__main__":
+    main()
