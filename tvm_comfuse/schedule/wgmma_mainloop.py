@@ -75,7 +75,8 @@ class WgmmaConfig:
     #: re-reading W from L2 for every 64 rows costs more than the GEMM; :mod:`.wgmma_postnorm`).
     resident: bool = False
     #: Thread blocks an SM runs at once (``__launch_bounds__(threads, ctas_per_sm)``): with two,
-    #: one CTA's epilogue runs beside the other's mainloop, in half the registers and shared memory.
+    #: one CTA's epilogue runs beside the other's mainloop, in half the registers and shared memory
+    #: (measured slower for the post-norm on the H200, session 12: ``experiments/tile_occupancy.py``).
     ctas_per_sm: int = 1
     #: 0: the producer is a warpgroup (warpgroup 0) that gives its registers back
     #: (``setmaxnreg``); 1 or 2: it is that many warps after the consumer warpgroups, and no
@@ -395,6 +396,9 @@ def wgmma_gemm(m: int, n: int, k: int, dtype: str = "float16", cfg: WgmmaConfig 
     """``C[m, n] = A[m, k] @ B[n, k].T`` (PyTorch's linear layout), fp32 accumulation, C in
     ``dtype``; a tirx PrimFunc for sm_90a. Static shapes, multiples of the tile."""
     cfg.check(m, n, k, dtype)
+    if cfg.pingpong or cfg.resident:
+        raise ComFuseError(f"wgmma GEMM cannot use {cfg}: ping-pong groups and a resident B are the post-norm kernel's "
+                           "(one tile a CTA here)")
     bm, bn, acc_n = cfg.bm, cfg.bn, cfg.wg_cols // 2
     produce, consume = mainloop(cfg, k, dtype)
     init = Ring(cfg.stages, cfg.consumers).init()
