@@ -483,9 +483,6 @@ def test_wgmma_postnorm_stages_bias_gamma_beta_in_shared_memory():
     global memory only by that copy; ptxas's static shared memory stays within what
     ``static_bytes + params_bytes`` accounts for, and the whole within the 227 KiB a CTA may have.
     Without a producer warpgroup (producer warps) they stay in global memory."""
-    import subprocess  # pylint: disable=import-outside-toplevel
-    import tempfile  # pylint: disable=import-outside-toplevel
-
     from tvm_comfuse.schedule import wgmma_mainloop as wm, wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
 
     for norm, (m, n, k) in (("layer_norm", (4096, 768, 3072)), ("rms_norm", (16384, 1024, 256)), ("layer_norm", (8192, 4096, 4096))):
@@ -496,11 +493,7 @@ def test_wgmma_postnorm_stages_bias_gamma_beta_in_shared_memory():
         staged, direct = (codegen.cuda_source(wm.build(wp.wgmma_postnorm(m, n, k, spec, params=p))) for p in (None, False))
         # the epilogue's vector loads of gamma (one a column pair) are gone: the copy's scalar one remains
         assert staged.count("gamma_ptr[") == 1 and "(gamma_ptr +" not in staged and direct.count("(gamma_ptr +") >= cfg.wg_cols // 8
-        with tempfile.TemporaryDirectory() as tmp:
-            open(f"{tmp}/k.cu", "w", encoding="utf-8").write(staged)
-            info = subprocess.run(["nvcc", "-arch=sm_90a", "-cubin", "-Xptxas", "-v", "-o", f"{tmp}/k.cubin", f"{tmp}/k.cu"],
-                                  capture_output=True, text=True, check=True).stderr
-        static = int(re.search(r"(\d+) bytes smem", info).group(1))
+        static = codegen.ptxas_usage(staged)["smem"]
         assert static <= wp.static_bytes(cfg, n // cfg.bn) + wp.params_bytes(spec, cfg) + 1024  # + alignment
         assert cfg.smem_bytes + cfg.resident_bytes(k) + stg.smem_bytes(cfg) + static <= wp.SMEM_TOTAL
     warps = wm.WgmmaConfig(64, 384, 3, 64, 2, producer_warps=2)
@@ -513,9 +506,6 @@ def test_wgmma_config_register_budget_is_ptxas_budget():
     and ``problems`` refuses a 256-column consumer warpgroup two CTAs an SM with a producer
     warpgroup (128 registers) while accepting it with a producer warp (168), whose launch bounds
     name the two CTAs."""
-    import subprocess  # pylint: disable=import-outside-toplevel
-    import tempfile  # pylint: disable=import-outside-toplevel
-
     from tvm_comfuse.schedule import wgmma_mainloop as wm  # pylint: disable=import-outside-toplevel
 
     group, warp = wm.WgmmaConfig(64, 256, 3, 32, 1, ctas_per_sm=2), wm.WgmmaConfig(64, 256, 3, 32, 1, ctas_per_sm=2, producer_warps=1)
@@ -524,11 +514,7 @@ def test_wgmma_config_register_budget_is_ptxas_budget():
     assert warp.problems(1024, 1024, 1024, "float16") == []
     source = codegen.cuda_source(wm.build(wm.wgmma_gemm(1024, 1024, 1024, cfg=warp)))
     assert "__launch_bounds__(160, 2)" in source and "setmaxnreg" not in source.split("__launch_bounds__")[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        open(f"{tmp}/k.cu", "w", encoding="utf-8").write(source)
-        info = subprocess.run(["nvcc", "-arch=sm_90a", "-cubin", "-Xptxas", "-v", "-o", f"{tmp}/k.cubin", f"{tmp}/k.cu"],
-                              capture_output=True, text=True, check=True).stderr
-    assert int(re.search(r"Used (\d+) registers", info).group(1)) <= warp.compiled_regs
+    assert codegen.ptxas_usage(source)["registers"] <= warp.compiled_regs
     assert wm.WgmmaConfig(128, 256).compiled_regs == 168 and wm.WgmmaConfig(128, 256).consumer_regs == 232
 
 

@@ -44,6 +44,21 @@ def compile_with_nvcc(source: str, arch: str = "sm_90", fmt: str = "cubin") -> b
         return bytes(nvcc.compile_cuda(source, target_format=fmt, arch=arch, compiler="nvcc"))
 
 
+def ptxas_usage(source: str, arch: str = "sm_90a") -> dict:
+    """What ptxas reports for the CUDA ``source`` (``nvcc -Xptxas -v``): ``registers`` per
+    thread, ``spill`` bytes stored and ``smem`` bytes of static shared memory; raise RuntimeError
+    when nvcc fails."""
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(os.path.join(tmp, "k.cu"), "w", encoding="utf-8") as f:
+            f.write(source)
+        run = subprocess.run(["nvcc", f"-arch={arch}", "-cubin", "-Xptxas", "-v", "-o", os.path.join(tmp, "k.cubin"),
+                              os.path.join(tmp, "k.cu")], capture_output=True, text=True, check=False)
+    if run.returncode:
+        raise RuntimeError(f"nvcc failed: {run.stderr.strip()[-2000:]}")
+    number = lambda pattern: int(re.search(pattern, run.stderr).group(1))  # noqa: E731
+    return {"registers": number(r"Used (\d+) registers"), "spill": number(r"(\d+) bytes spill stores"), "smem": number(r"(\d+) bytes smem")}
+
+
 def nvdisasm() -> str | None:
     """Path of nvdisasm: on PATH, or from the ``nvidia-cuda-nvdisasm`` wheel (the ``test`` extra)."""
     found = shutil.which("nvdisasm")

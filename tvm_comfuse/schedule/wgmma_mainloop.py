@@ -167,10 +167,9 @@ class WgmmaConfig:
             found.append(f"{self.threads} threads (at most 1024)")
         if self.producer_warps not in (0, 1, 2):
             found.append(f"producer_warps = {self.producer_warps} (0: a warpgroup, or 1 or 2 warps)")
-        regs = min(self.consumer_regs, self.compiled_regs)
-        if regs < self.wg_cols // 2 + 32:  # ptxas: m64n256 (128 accumulators) needs 154
-            found.append(f"{self.consumers} consumer warpgroups of {self.wg_cols // 2} accumulators each "
-                         f"({regs} registers per thread: fewer warpgroups{', or a producer warp' if not self.producer_warps else ''})")
+        if self.compiled_regs < self.wg_cols // 2 + 32:  # ptxas: m64n256 (128 accumulators) needs 154
+            found.append(f"{self.consumers} consumer warpgroups of {self.wg_cols // 2} accumulators each ({self.compiled_regs} "
+                         f"registers per thread: fewer warpgroups{', or a producer warp' if not self.producer_warps else ''})")
         if self.ctas_per_sm not in (1, 2):
             found.append(f"ctas_per_sm = {self.ctas_per_sm} (1 or 2)")
         if self.smem_bytes + self.resident_bytes(k) > self.smem_limit:

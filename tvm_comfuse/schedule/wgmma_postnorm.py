@@ -207,6 +207,12 @@ def static_bytes(cfg: WgmmaConfig, ranks: int) -> int:
     return 2 * cfg.bm * 4 * cfg.wg_n * 4 * (2 if cfg.pingpong else 1) + exchange + 256
 
 
+def shared_bytes(cfg: WgmmaConfig, n: int, k: int, stg: Staging) -> int:
+    """All the kernel's shared memory but the staged parameters: the ring, a resident W, the
+    staged tiles and the static exchange buffers (at most :data:`SMEM_TOTAL`)."""
+    return cfg.smem_bytes + cfg.resident_bytes(k) + stg.smem_bytes(cfg) + static_bytes(cfg, n // cfg.bn)
+
+
 def params_bytes(spec: PostNorm, cfg: WgmmaConfig) -> int:
     """Shared memory of the staged bias, gamma and beta (:func:`stages_params`): the slice's
     columns of each added vector in its dtype, and of gamma (and beta) widened to fp32."""
@@ -220,8 +226,7 @@ def stages_params(spec: PostNorm, cfg: WgmmaConfig, n: int, k: int, stg: Staging
     warpgroup). Measured on the H200 together with :func:`wgmma_postnorm`'s ``one_round``
     (session 12, ``experiments/epilogue_rounds.py``): 3.6% faster at 16384x256x1024, 3.5% with
     a resident W, 1.2% at 8192x4096x4096, within 1.2% either way on the other suite shapes."""
-    total = cfg.smem_bytes + cfg.resident_bytes(k) + stg.smem_bytes(cfg) + static_bytes(cfg, n // cfg.bn)
-    return cfg.producer_warps == 0 and total + params_bytes(spec, cfg) <= SMEM_TOTAL
+    return cfg.producer_warps == 0 and shared_bytes(cfg, n, k, stg) + params_bytes(spec, cfg) <= SMEM_TOTAL
 
 
 def resident_config(n: int, m: int, k: int, spec: PostNorm) -> WgmmaConfig | None:
@@ -322,7 +327,7 @@ def problems(m, n, k, spec: PostNorm, cfg: WgmmaConfig | None = None, stage: boo
     elif cfg.smem_bytes + cfg.resident_bytes(k) + stg.smem_bytes(cfg) > cfg.smem_limit:
         found.append(f"{cfg} with its staged epilogue tiles: over {cfg.smem_limit // 1024} KiB of shared memory (fewer stages)")
     elif cfg.resident:
-        total = cfg.smem_bytes + cfg.resident_bytes(k) + stg.smem_bytes(cfg) + static_bytes(cfg, n // cfg.bn)
+        total = shared_bytes(cfg, n, k, stg)
         if stage is False or not stg.store or len(stg.tiles) != sum(tile for _, tile in spec.operands):
             found.append(f"a resident W with an epilogue not staged whole (its tiles in {spec.dtype} and the output in "
                          f"{spec.dtype}, by TMA): the streaming kernel")

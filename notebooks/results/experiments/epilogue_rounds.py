@@ -45,8 +45,7 @@ profiler's device time per call. Run on the GPU:
 
 import dataclasses
 
-import torch
-from wgmma_gemm import measure_postnorm, postnorm_baselines, save  # the same directory: sys.path[0] when run as a script
+from wgmma_gemm import measure_postnorm, save, suite_cases  # the same directory: sys.path[0] when run as a script
 
 from tvm_comfuse.schedule.wgmma_postnorm import PostNorm, default_config, wgmma_postnorm
 
@@ -58,11 +57,8 @@ VARIANTS = {"default": dict(one_round=False, params=False), "one_round": dict(on
 
 
 def main():
-    rows, gen = [], torch.Generator(device="cuda").manual_seed(13)
-    spec = PostNorm.suite("float16", "layer_norm")
-    for m, k, n in SHAPES:
-        inputs, ref, base, baselines = postnorm_baselines(m, k, n, gen, ("cublas_gemm_alone", "inductor"))
-        rows += baselines
+    rows, spec = [], PostNorm.suite("float16", "layer_norm")
+    for m, k, n, inputs, ref, base in suite_cases(SHAPES, 13, rows):
         cfg = default_config(n, m, k, spec)
         for name, opts in VARIANTS.items():
             make = lambda: wgmma_postnorm(m, n, k, spec, cfg, **opts)  # noqa: E731,B023

@@ -22,8 +22,7 @@ profiler's device time per call. Run on the GPU:
 
 import dataclasses
 
-import torch
-from wgmma_gemm import first_fitting, measure_postnorm, postnorm_baselines, save  # the same directory: sys.path[0] when run as a script
+from wgmma_gemm import first_fitting, measure_postnorm, save, suite_cases  # the same directory: sys.path[0] when run as a script
 
 from tvm_comfuse.errors import ComFuseError
 from tvm_comfuse.schedule.wgmma_postnorm import PostNorm, default_config, wgmma_postnorm
@@ -46,11 +45,8 @@ def variants(m, k, n, spec):
 
 
 def main():
-    rows, gen = [], torch.Generator(device="cuda").manual_seed(14)
-    spec = PostNorm.suite("float16", "layer_norm")
-    for m, k, n in SHAPES:
-        inputs, ref, base, baselines = postnorm_baselines(m, k, n, gen, ("cublas_gemm_alone", "inductor"))
-        rows += baselines
+    rows, spec = [], PostNorm.suite("float16", "layer_norm")
+    for m, k, n, inputs, ref, base in suite_cases(SHAPES, 14, rows):
         for name, cfg in variants(m, k, n, spec):
             make = lambda: wgmma_postnorm(m, n, k, spec, cfg)  # noqa: E731,B023
             rows.append(measure_postnorm(base, inputs, ref, m, n, k, spec, name, make, config=dataclasses.asdict(cfg)))

@@ -54,7 +54,7 @@ profiler's device time per call. Run on the GPU:
 import dataclasses
 
 import torch
-from wgmma_gemm import measure, postnorm_baselines, save  # the same directory: sys.path[0] when run as a script
+from wgmma_gemm import measure, save, suite_cases  # the same directory: sys.path[0] when run as a script
 
 from tvm_comfuse.errors import ComFuseError
 from tvm_comfuse.schedule.wgmma_postnorm import PostNorm, default_config, problems, wgmma_postnorm
@@ -96,11 +96,8 @@ def more_ranks(m, k, n, spec):
 
 
 def main():
-    rows, gen = [], torch.Generator(device="cuda").manual_seed(11)
-    spec = PostNorm.suite("float16", "layer_norm")
-    for m, k, n in SHAPES:
-        inputs, ref, base, baselines = postnorm_baselines(m, k, n, gen, ("cublas_gemm_alone", "inductor"))
-        rows += baselines
+    rows, spec = [], PostNorm.suite("float16", "layer_norm")
+    for m, k, n, inputs, ref, base in suite_cases(SHAPES, 11, rows):
         for name, cfg in variants(m, k, n, spec) + (more_ranks(m, k, n, spec) if (m, k, n) == SHAPES[0] else []):
             row = dict(base, contender=f"wgmma_postnorm_{name}", config=dataclasses.asdict(cfg))
             make = lambda: wgmma_postnorm(m, n, k, spec, cfg)  # noqa: E731,B023

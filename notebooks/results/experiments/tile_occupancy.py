@@ -48,7 +48,7 @@ profiler's device time per call. Run on the GPU:
 import dataclasses
 
 import torch
-from wgmma_gemm import first_fitting, measure, measure_postnorm, postnorm_baselines, save  # the same directory: sys.path[0] when run as a script
+from wgmma_gemm import first_fitting, measure, measure_postnorm, save, suite_cases  # the same directory: sys.path[0] when run as a script
 
 from tvm_comfuse.schedule.wgmma_mainloop import WgmmaConfig, wgmma_gemm
 from tvm_comfuse.schedule.wgmma_postnorm import PostNorm, default_config, problems, wgmma_postnorm
@@ -72,11 +72,8 @@ def variants(m, k, n, spec):
 
 
 def main():
-    rows, gen = [], torch.Generator(device="cuda").manual_seed(12)
-    spec = PostNorm.suite("float16", "layer_norm")
-    for m, k, n in SHAPES:
-        inputs, ref, base, baselines = postnorm_baselines(m, k, n, gen, ("cublas_gemm_alone", "inductor"))
-        rows += baselines
+    rows, spec = [], PostNorm.suite("float16", "layer_norm")
+    for m, k, n, inputs, ref, base in suite_cases(SHAPES, 12, rows):
         x, w = inputs[:2]
         gemm_ref = x.float() @ w.float().T
         for name, cfg, stage in variants(m, k, n, spec):

@@ -146,6 +146,17 @@ def postnorm_baselines(m, k, n, gen, names=("cublas_gemm_alone", "eager", "induc
     return [x, w, b, r, g, be], ref, base, rows
 
 
+def suite_cases(shapes, seed: int, rows: list, names=("cublas_gemm_alone", "inductor")):
+    """Per ``(M, K, N)`` of ``shapes``: ``(m, k, n, inputs, ref, base)`` of
+    :func:`postnorm_baselines` (fp16 LayerNorm, one generator seeded ``seed`` for all shapes),
+    the timed rows of the contenders ``names`` appended to ``rows`` first."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    for m, k, n in shapes:
+        inputs, ref, base, baselines = postnorm_baselines(m, k, n, gen, names)
+        rows += baselines
+        yield m, k, n, inputs, ref, base
+
+
 def deepest_bk32(spec, cfg, k):
     """``cfg``'s tile on the deepest bk-32 ring (up to 8 stages, no deeper than K's steps) that
     fits shared memory beside its staged epilogue tiles."""
