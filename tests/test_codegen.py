@@ -422,13 +422,15 @@ def test_wgmma_postnorm_slices_rows_over_a_cluster(M, N, ranks):
 
 @pytest.mark.parametrize("M, K, N", [(4096, 768, 768), (4096, 4096, 1024), (16384, 256, 1024), (8192, 4096, 4096)])
 def test_wgmma_postnorm_default_ring_loads_ahead_of_a_staged_epilogue(M, K, N):
-    """The default configuration stages the residual and the output, and still leaves the ring
-    three stages (a consumer holds two: with two the producer cannot load ahead, 39% slower on
-    the H200 at 4096x4096x1024), all within shared memory."""
+    """The streaming kernel's default configuration stages the residual and the output, and
+    still leaves the ring three stages (a consumer holds two: with two the producer cannot load
+    ahead, 39% slower on the H200 at 4096x4096x1024), all within shared memory. (At
+    16384x256x1024 the default is now the resident W's ping-pong kernel, whose other group's
+    mainloop runs while a group waits: two stages measured fastest there, session 13.)"""
     from tvm_comfuse.schedule import wgmma_mainloop as wm, wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
 
     spec = wp.PostNorm.suite()
-    cfg = wp.default_config(N, M, K, spec)
+    cfg = wp.default_config(N, M, K, spec, resident=False)
     staged = wp.staging(spec, cfg)
     assert staged == wp.Staging((1,), True)
     assert cfg.stages >= 3 and cfg.smem_bytes + staged.smem_bytes(cfg) <= wm.SMEM_LIMIT
@@ -443,11 +445,11 @@ def test_wgmma_postnorm_resident_weight_loops_over_row_blocks():
     from tvm_comfuse.schedule import wgmma_mainloop as wm, wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
 
     spec = wp.PostNorm.suite()
-    cfg = wp.default_config(1024, 16384, 256, spec, resident=True)
+    cfg = wp.resident_config(1024, 16384, 256, spec, pingpong=False)
     assert cfg == wm.WgmmaConfig(64, 256, 3, 64, 2, 1, True)
-    # the default where the ring holds a row block's four K steps (measured faster), not where it holds three
-    assert not wp.default_config(1024, 16384, 256, spec).resident and not wp.resident_pays(cfg, 16384, 1024, 256)
-    assert wp.default_config(768, 16384, 256, spec) == wm.WgmmaConfig(64, 192, 4, 64, 2, 1, True)
+    # without ping-pong the default only where the ring holds a row block's four K steps (measured faster), not three
+    assert not wp.resident_pays(cfg, 16384, 1024, 256)
+    assert wp.resident_pays(wm.WgmmaConfig(64, 192, 4, 64, 2, 1, True), 16384, 768, 256)
     assert not wp.default_config(768, 16384, 256, spec, resident=False).resident
     assert cfg.smem_bytes == 3 * 64 * 64 * 2 and cfg.resident_bytes(256) == 256 * 256 * 2
     source = codegen.cuda_source(wm.build(wp.wgmma_postnorm(16384, 1024, 256, spec, cfg)))
@@ -539,7 +541,12 @@ def test_wgmma_postnorm_pingpong_groups_take_alternate_row_blocks():
     streaming = wm.WgmmaConfig(64, 192, 4, 64, 1, pingpong=True)
     assert any("ping-pong" in p for p in wp.problems(4096, 768, 768, spec, streaming))
     assert any("ping-pong" in p for p in wp.problems(16384, 768, 256, spec, wm.WgmmaConfig(64, 192, 4, 64, 2, 1, True, pingpong=True)))
-    assert wp.default_config(768, 16384, 256, spec) == wm.WgmmaConfig(64, 192, 4, 64, 2, 1, True)  # not the default (unmeasured)
+    # the default where it measured faster (session 13): four-CTA clusters of 192- or 256-column slices, 8+ blocks a cluster
+    assert wp.default_config(768, 16384, 256, spec) == cfg
+    assert wp.default_config(1024, 16384, 256, spec) == wm.WgmmaConfig(64, 256, 2, 64, 1, 1, True, pingpong=True)
+    # not where it is unmeasured and the resident kernel lost without it: eight-CTA clusters, 64-column slices
+    assert not wp.default_config(1024, 16384, 512, spec).resident and not wp.default_config(256, 16384, 1024, spec).resident
+    assert not wp.default_config(1024, 4096, 256, spec).resident  # two blocks a cluster
 
 
 def test_wgmma_postnorm_resident_weight_refuses_what_it_cannot_hold():

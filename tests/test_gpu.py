@@ -259,8 +259,8 @@ def test_gpu_wgmma_mainloop_matches_torch(M, N, K, dtype, cfg):
     (16384, 768, 256, "bfloat16", "layer_norm", (64, 192, 4, 64, 2, 1, True), None),
     (8192, 256, 1024, "float16", "layer_norm", (64, 64, 4, 64, 2, 1, True), None),
     (16384, 128, 128, "float16", "rms_norm", (64, 128, 4, 64, 2, 1, True), None),
-    # ping-pong consumer groups on a resident W (session 12: not yet run on a GPU): uneven blocks
-    # a cluster (so one group has a block more), bf16 LayerNorm, 64-column slices
+    # ping-pong consumer groups on a resident W (first correct on the H200 in session 13): uneven
+    # blocks a cluster (so one group has a block more), bf16 LayerNorm, 64-column slices
     (15936, 1024, 256, "float16", "rms_norm", (64, 256, 2, 64, 1, 1, True, 1, 0, True), None),
     (16384, 768, 256, "bfloat16", "layer_norm", (64, 192, 4, 64, 1, 1, True, 1, 0, True), None),
     (8192, 256, 1024, "float16", "layer_norm", (64, 64, 4, 64, 1, 1, True, 1, 0, True), None),
@@ -290,7 +290,7 @@ def test_gpu_wgmma_postnorm_matches_torch(M, N, K, dtype, norm, cfg, stage):
 @pytest.mark.parametrize("M, K, N, dtype, norm, batch", [
     (4096, 768, 768, "float16", "layer_norm", None), (128, 3072, 768, "float16", "layer_norm", 2),
     (512, 256, 512, "bfloat16", "rms_norm", None), (512, 512, 4096, "float16", "layer_norm", None),
-    (8192, 256, 768, "bfloat16", "layer_norm", 2),  # 16384 rows: the resident W by default
+    (8192, 256, 768, "bfloat16", "layer_norm", 2),  # 16384 rows: the resident W's ping-pong groups by default
 ])
 def test_gpu_hopper_pipeline_matches_pytorch(M, K, N, dtype, norm, batch):
     """``get_pipeline(..., hopper=True)`` end to end: the post-norm group runs as the wgmma

@@ -34,10 +34,11 @@ slice loaded once into shared memory, the CTA looping over row blocks while its 
 streams x through the ring and, from a second warp, the next block's residual into the other of
 two staged sets; the row partials then cross the cluster by ``st.async`` onto mbarriers (the
 producer, a block ahead, never meets a cluster barrier). The default where it measured faster
-(:func:`resident_pays`): 15-22% at N = 768, K = 256. With ``WgmmaConfig(pingpong=True)`` (session
-12, opt-in until measured on a GPU) its two consumer warpgroups each own a whole block's slice and
-take alternate row blocks, their mainloops in turn (the ``turn`` mbarriers), so one's epilogue
-runs beside the other's wgmmas; each has its own named barrier and two exchange sets of its own.
+(:func:`resident_pays`). With ``WgmmaConfig(pingpong=True)`` (session 12; the resident default
+since session 13, where it measured 7-16% faster than the resident kernel without it) its two
+consumer warpgroups each own a whole block's slice and take alternate row blocks, their
+mainloops in turn (the ``turn`` mbarriers), so one's epilogue runs beside the other's wgmmas;
+each has its own named barrier and two exchange sets of its own.
 """
 
 from __future__ import annotations
@@ -229,43 +230,56 @@ def stages_params(spec: PostNorm, cfg: WgmmaConfig, n: int, k: int, stg: Staging
     return cfg.producer_warps == 0 and shared_bytes(cfg, n, k, stg) + params_bytes(spec, cfg) <= SMEM_TOTAL
 
 
-def resident_config(n: int, m: int, k: int, spec: PostNorm) -> WgmmaConfig | None:
+def resident_config(n: int, m: int, k: int, spec: PostNorm, pingpong: bool = True) -> WgmmaConfig | None:
     """The configuration whose clusters loop over row blocks with their W slice resident in
     shared memory (:data:`ACTIVE_CLUSTERS` of them, one wave), or None where none fits: 64 rows, the
     fewest CTAs a row whose ``N / ranks x K`` slice, two sets of staged tiles and a ring of A
-    (at least three stages) fit beside each other, two consumer warpgroups (the epilogue's
-    threads: it is half the work here; a slice of at most 512 whole 64-column boxes halves into
-    wgmma tiles), ``bk`` 64 where K allows.
+    fit beside each other, ``bk`` 64 where K allows. Two consumer warpgroups: with ``pingpong``
+    (where a slice is one wgmma tile, at most 256 columns) each owns a whole slice and they take
+    alternate row blocks, the deepest ring of 2 to 4 stages that fits; otherwise (or where no
+    ping-pong configuration fits) they split each block's slice, a ring of at least three stages.
 
     Why (session 10): at 16384x256x1024 the streaming kernel reads its 256 KiB W slice from L2
     for every 64 rows, 128 MiB in all against 72 MiB of HBM traffic, and took 54 us where
     cuBLAS's GEMM alone takes 19; resident, W is read once per CTA and the kernel moves only
-    x, the residual and the output."""
+    x, the residual and the output. Why ping-pong (session 13, ``experiments/pingpong.py``): with
+    the groups splitting a block, the tensor cores idle through every epilogue; taking turns,
+    one group's epilogue runs beside the other's wgmmas (see :func:`resident_pays`)."""
     bk = 64 if k % 64 == 0 else 32
     for ranks in DEFAULT_CLUSTER_SIZES:
         bn = n // ranks
         if n % ranks or bn % BOX_COLS or bn > MAX_ROW or (m // 64) < 2 * ACTIVE_CLUSTERS[ranks]:
             continue
-        for stages in (4, 3):
-            cfg = WgmmaConfig(bm=64, bn=bn, stages=stages, bk=bk, wg_n=2, resident=True)
+        rings = [(1, True, s) for s in (4, 3, 2) if pingpong and bn <= 256] + [(2, False, s) for s in (4, 3)]
+        for wg_n, turns, stages in rings:
+            cfg = WgmmaConfig(bm=64, bn=bn, stages=stages, bk=bk, wg_n=wg_n, resident=True, pingpong=turns)
             if not problems(m, n, k, spec, cfg):
                 return cfg
     return None
 
 
 def resident_pays(cfg: WgmmaConfig, m: int, n: int, k: int) -> bool:
-    """Whether a resident configuration is the default: where its ring holds all of a row
-    block's K steps, so the producer loads the next block's x while this block's epilogue runs,
-    and each cluster has eight row blocks or more to spread its W slice's load over.
-    On the H200 (session 11, ``experiments/resident_weight.py``) that split the six measured
-    shapes: with ``stages >= K / bk`` it beat the streaming kernel by 15% and 22% (16384 and
-    65536 x 256 x 768: 33.8 against 39.8 us, 116.4 against 149.9, the latter faster than
-    torch.compile's 123.8); with a shallower ring it lost at all four (16384x256x1024 52.8
-    against 49.7; K = 512 and 1024; M = 4096). The wins had 8.5 and 34 blocks a cluster. Depth
-    is necessary, not sufficient: at 16384x256x1024 eight-CTA clusters (128-column slices, four
-    stages) lost too (55.4 against 50.1); :func:`resident_config` takes the fewest CTAs a row."""
+    """Whether a resident configuration is the default: where each cluster has eight row blocks
+    or more to spread its W slice's load over, and either its consumer groups take turns
+    (ping-pong) or its ring holds all of a row block's K steps (so the producer loads the next
+    block's x while this block's epilogue runs).
+    On the H200, session 11 (``experiments/resident_weight.py``), without ping-pong: with
+    ``stages >= K / bk`` it beat the streaming kernel by 15% and 22% (16384 and 65536 x 256 x
+    768: 33.8 against 39.8 us, 116.4 against 149.9); with a shallower ring it lost at all four
+    measured shapes (16384x256x1024 52.8 against 49.7; K = 512 and 1024; M = 4096). The wins had
+    8.5 and 34 blocks a cluster; at 16384x256x1024 eight-CTA clusters lost too (55.4 against
+    50.1), so :func:`resident_config` takes the fewest CTAs a row. Session 13
+    (``experiments/pingpong.py``, ``session13-h200-2026-12-04/pingpong-8ef18ad.json``): ping-pong
+    beat both at all three measured shapes, a two-stage ring included: 30.1 against 32.6
+    (resident) and 38.7 (streaming) at 16384x256x768, 94.6 against 112.2 and 144.5 at
+    65536x256x768, 43.3 against 50.6 and 48.5 at 16384x256x1024. All three had clusters of four
+    CTAs and slices of 192 or 256 columns; where the resident kernel lost by most without it
+    (16384x512x1024 in eight-CTA clusters, 89.0 against 64.8; 16384x1024x256 in 64-column slices,
+    55.8 against 25.0) ping-pong is unmeasured, so it is the default only in clusters of at
+    most four CTAs with slices of 128 columns or more (``comfuse tune`` measures the rest)."""
     blocks = m // cfg.bm / ACTIVE_CLUSTERS[n // cfg.bn]
-    return cfg.resident and cfg.stages >= k // cfg.bk and blocks >= 8
+    turns = cfg.pingpong and n // cfg.bn <= 4 and cfg.bn >= 128
+    return cfg.resident and (turns or cfg.stages >= k // cfg.bk) and blocks >= 8
 
 
 def default_config(n: int, m: int | None = None, k: int | None = None, spec: PostNorm | None = None,
@@ -279,7 +293,7 @@ def default_config(n: int, m: int | None = None, k: int | None = None, spec: Pos
     flight): with two the producer cannot load ahead, and on the H200 (session 9) the staged
     N = 1024 kernel took 85.8 us with two 64-deep stages against 61.4 with four 32-deep.
     ``resident``: the :func:`resident_config` (True: raise where none fits; False: never; None,
-    the default: where its ring holds a whole row block's K steps, see :func:`resident_pays`)."""
+    the default: where it measured faster, see :func:`resident_pays`)."""
     if resident is not False:
         cfg = resident_config(n, m, k, spec) if isinstance(m, int) and isinstance(k, int) and spec is not None and bm in (None, 64) else None
         if cfg is None and resident:
