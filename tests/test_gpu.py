@@ -80,7 +80,7 @@ def test_symbolic_m_runs_every_m_with_the_configuration_tuned_at_a_representativ
     K, N, dtype = 256, 768, "float16"
     target = tvm.target.Target.from_device(tvm.cuda(0))
     mod = wl.post_norm(tvm.tirx.Var("n", "int64"), K, N, dtype, "layer_norm", linear=True)
-    (task,) = extract_tasks(tvm.relax.transform.BindSymbolicVars({"n": 256})(mod), target)
+    (task,) = extract_tasks(tvm.relax.transform.BindSymbolicVars({"n": 256})(mod), target, hopper=False)
     cfg = config_record(tmp_path, task, target, {"n": 256}, lambda space: next(p for p in space if p[0].warps == 16))
     ex = runtime.compile_module(mod, target, database=str(tmp_path), hopper=False)
     assert f"__launch_bounds__({32 * cfg.warps})" in codegen.cuda_source(ex)
@@ -306,6 +306,31 @@ def test_gpu_hopper_pipeline_matches_pytorch(M, K, N, dtype, norm, batch):
     assert any(k.startswith("comfuse_wgmma_") for k in kernels)
     ref = wl.post_norm_reference([a.float().cpu().numpy() for a in args], norm, linear=True)[0]
     assert (out.cpu().double() - torch.from_numpy(ref)).abs().max().item() <= TOL[dtype]
+
+
+def test_gpu_tune_the_wgmma_kernel_then_compile_from_its_logs(tmp_path):
+    """``comfuse tune`` on sm_90 measures the wgmma post-norm kernel's configurations (built in
+    the worker pool, timed by MetaSchedule's runner, none failing), and a compile from the logs
+    takes the tuned configuration and matches PyTorch."""
+    import tvm  # pylint: disable=import-outside-toplevel
+
+    from tvm_comfuse.tune import TuneOptions, applied_from_database, tune  # pylint: disable=import-outside-toplevel
+
+    _need_sm90(tvm)
+    M, K, N = 1024, 256, 512
+    mod = wl.post_norm(M, K, N, "float16", "layer_norm", linear=True)
+    source = tmp_path / "block.py"
+    source.write_text(mod.script())
+    result = tune(TuneOptions(str(source), target="nvidia/nvidia-h100", trials=6, work_dir=str(tmp_path / "logs"), quiet=True))
+    (report,) = result.reports
+    assert (report.kind, report.measured, report.build_errors) == ("wgmma_postnorm", 6, 0)
+    assert applied_from_database(mod, "nvidia/nvidia-h100", result.work_dir) == (1, 1)
+    args = _inputs(M, K, N, "float16", linear=True)
+    target = tvm.target.Target.from_device(tvm.cuda(0))
+    vm = tvm.relax.VirtualMachine(runtime.compile_module(mod, target, database=result.work_dir), tvm.cuda(0))
+    out = torch.from_dlpack(vm["main"](*[tvm.runtime.from_dlpack(a) for a in args])).float()
+    ref = wl.post_norm_reference([a.float().cpu().numpy() for a in args], "layer_norm", linear=True)[0]
+    assert (out.cpu().double() - torch.from_numpy(ref)).abs().max().item() <= TOL["float16"]
 
 
 @pytest.mark.parametrize("M, N1, N2, K, act, bm", [(256, 64, 384, 128, "relu", 128), (4096, 256, 1024, 1024, "gelu", 128),

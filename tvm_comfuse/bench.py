@@ -5,8 +5,8 @@ norm and dtype, the same inputs go to: cuBLAS GEMM alone (the floor),
 PyTorch eager, torch.compile (default, and max-autotune when asked), vanilla TVM (its
 default pipeline: DLight; and, when asked, tuned by MetaSchedule's stock rules with the trial
 budget ComFuse's logs had) and ComFuse (its default pipeline: on sm_90 the Hopper wgmma
-kernels; ``comfuse_mma_sync``: the portable mma.sync rule, untuned, and ``comfuse_tuned``: that
-rule with the shipped tuning logs). Each contender's output is checked against a float32
+kernels; ``comfuse_mma_sync``: the portable mma.sync rule, untuned; ``comfuse_tuned``: the
+default pipeline with the shipped tuning logs, the wgmma kernels' tuned configurations on sm_90). Each contender's output is checked against a float32
 PyTorch reference before it is timed; a wrong result is reported and not timed. Two times
 per call: device time (sum of kernel durations from the CUDA profiler, so launch and VM
 overhead are excluded) and wall time (CUDA events around back-to-back calls, best of 3).
@@ -155,7 +155,7 @@ def _contenders(torch, shape, norm, dtype, args, which, target):
         out["tvm_metaschedule"] = lambda m=mod: _vanilla_tuned_callable(torch, m, args, target)
     logs = tuned_logs(shape.name)
     if "comfuse_tuned" in which and logs and (norm, dtype) == ("layer_norm", "float16"):  # what the logs were tuned for
-        out["comfuse_tuned"] = lambda m=mod: _tvm_callable(torch, m, args, True, target, logs, hopper=False)
+        out["comfuse_tuned"] = lambda m=mod: _tvm_callable(torch, m, args, True, target, logs)
     return out
 
 
@@ -270,7 +270,7 @@ def run_model(name: str, batch: int, seq: int, which=CONTENDERS, log=print) -> l
             if contender == "comfuse_tuned" and logs is None:
                 continue
             try:
-                hopper = None if contender == "comfuse" else False  # the tuned logs are the mma.sync rule's
+                hopper = False if contender == "comfuse_mma_sync" else None
                 fn, fn_out = _tvm_callable(torch, mod, [x], contender != "tvm_dlight", target, logs, hopper)
             except Exception as err_:  # pylint: disable=broad-except
                 fn, fn_out = _raise(err_), None

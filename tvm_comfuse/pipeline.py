@@ -112,11 +112,12 @@ def vanilla_fusion_passes():
     ]
 
 
-def fusion_passes(target=None, hopper: bool | None = None):
+def fusion_passes(target=None, hopper: bool | None = None, database=None, build=None):
     """FuseComputeMemory (and, with ``hopper``, the wgmma kernels for the post-norm groups they
-    take; ``None``: on sm_90 targets), then the vanilla legalisation and fusion of the rest,
-    then the annotation of the fused PrimFuncs: everything up to scheduling."""
-    offload = [OffloadHopperPostNorm(target)] if target is not None and uses_hopper(target, hopper) else []
+    take, configured from ``database`` where it has their records; ``None``: on sm_90 targets),
+    then the vanilla legalisation and fusion of the rest, then the annotation of the fused
+    PrimFuncs: everything up to scheduling. ``build``: as :class:`OffloadHopperPostNorm`'s."""
+    offload = [OffloadHopperPostNorm(target, build, database)] if target is not None and uses_hopper(target, hopper) else []
     return [FuseComputeMemory(target=target, hopper=bool(offload)), *offload, *vanilla_fusion_passes(), AnnotateFusedBlocks()]
 
 
@@ -214,7 +215,8 @@ def get_pipeline(target, database=None, hopper: bool | None = None) -> tvm.trans
         A target tag (``"nvidia/nvidia-h100"``), a JSON dict (``{"kind": "cuda", "arch":
         "sm_90"}``) or ``"llvm"``.
     database : str, os.PathLike or tvm.s_tir.meta_schedule.Database, optional
-        Tuning logs to apply before the defaults. Logs tuned with symbolic shapes bound
+        Tuning logs to apply before the defaults: the configurations tuned for the wgmma
+        post-norm kernels, and the schedules tuned for the other fused PrimFuncs. Logs tuned with symbolic shapes bound
         (``comfuse tune --bind n=4096``) also serve the symbolic groups on GPUs: each is scheduled
         with the configuration tuned at that size.
     hopper : bool, optional
@@ -232,9 +234,9 @@ def get_pipeline(target, database=None, hopper: bool | None = None) -> tvm.trans
     backend = _backend(target)
     bind = {}
     if database is not None:
-        load_database(database, target)  # fail now, with the path in the message, not mid-compile
         if not isinstance(database, ms.Database):
             bind = (read_meta(os.fspath(database)) or {}).get("bind", {})  # tuned at a representative size
+        database = load_database(database, target)  # fail now, with the path in the message, not mid-compile
 
     @tvm.transform.module_pass(opt_level=0, name="ComFusePipeline")
     def _pipeline(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
@@ -242,7 +244,7 @@ def get_pipeline(target, database=None, hopper: bool | None = None) -> tvm.trans
             static = counterparts(mod, target, bind) if bind and is_gpu(target) else {}
             seq = tvm.transform.Sequential(
                 backend.library_dispatch_passes(target)
-                + fusion_passes(target, hopper)
+                + fusion_passes(target, hopper, database)
                 + schedule_passes(target, database, static)
                 + backend.dataflow_lower_passes(target)
                 + backend.finalize_passes(target)

@@ -208,12 +208,27 @@ class OffloadHopperPostNorm:  # pylint: disable=too-few-public-methods
     ``build(prim_func, symbol, spec, (m, n, k))`` makes each kernel available under ``symbol``:
     by default it compiles the tirx PrimFunc for sm_90a and returns the module to link through
     ``external_mods``; the CPU tests pass one that links an llvm kernel of the same signature,
-    or registers a NumPy model under ``symbol`` (returning None, nothing to link).
+    or registers a NumPy model under ``symbol`` (returning None, nothing to link). Groups that
+    compute the same kernel (a model's layers) share one build and one symbol.
+
+    ``database`` (a MetaSchedule Database, ``comfuse tune``'s logs): a group with a record
+    there runs the configuration tuned for it (:mod:`tvm_comfuse.tune.hopper`), the others the
+    untuned default.
     """
 
-    def __init__(self, target, build=None):
+    def __init__(self, target, build=None, database=None):
         self.target = parse_target(target)
         self.build = build
+        self.database = database
+
+    def _config(self, func, found):
+        """The tuned configuration for this group, or None (the default)."""
+        if self.database is None:
+            return None
+        from ..tune import hopper  # pylint: disable=import-outside-toplevel  (tune imports the pipeline)
+
+        desc = hopper.describe(found)
+        return hopper.tuned_config(self.database, hopper.workload(func, desc))
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         """Build each eligible group's kernel, rewrite its calls, drop the outlined function."""
@@ -222,7 +237,7 @@ class OffloadHopperPostNorm:  # pylint: disable=too-few-public-methods
         if self.build is None and not is_hopper(self.target):
             return mod
         build = self.build or (lambda func, symbol, _spec, _mnk: _build(func, symbol, self.target))
-        offloads, built = {}, []
+        offloads, built, symbols, tuned = {}, [], {}, 0
         for gv, func in mod.functions_items():
             if not isinstance(func, relax.Function) or str((func.attrs or {}).get(KIND_ATTR, "")) != "gemm_reduce":
                 continue
@@ -234,11 +249,15 @@ class OffloadHopperPostNorm:  # pylint: disable=too-few-public-methods
             if why:
                 LOG.info("ComFuse: %s stays with the gemm_reduce rule, the wgmma kernel cannot take %s", gv.name_hint, "; ".join(why))
                 continue
-            symbol = f"comfuse_wgmma_{len(offloads)}_{gv.name_hint}"[:120]
-            module = build(wp.wgmma_postnorm(*mnk, spec, lead=out_shape[:-1]), symbol, spec, mnk)
-            if module is not None:
-                built.append(module)
-            offloads[gv.name_hint] = (symbol, roles, out_shape, spec.out_dtype, order)
+            cfg = self._config(func, found)
+            tuned += cfg is not None
+            key = (spec, mnk, tuple(out_shape), cfg)
+            if key not in symbols:
+                symbols[key] = f"comfuse_wgmma_{len(symbols)}_{gv.name_hint}"[:120]
+                module = build(wp.wgmma_postnorm(*mnk, spec, cfg, lead=out_shape[:-1]), symbols[key], spec, mnk)
+                if module is not None:
+                    built.append(module)
+            offloads[gv.name_hint] = (symbols[key], roles, out_shape, spec.out_dtype, order)
         if not offloads:
             return mod
         rewriter = _CallRewriter(mod, offloads)
@@ -247,7 +266,11 @@ class OffloadHopperPostNorm:  # pylint: disable=too-few-public-methods
                 rewriter.builder_.update_func(gv, rewriter.visit_expr(func))
         out = rewriter.builder_.get()
         out = tvm.IRModule({gv: f for gv, f in out.functions_items() if gv.name_hint not in offloads}, attrs=out.attrs)
-        LOG.info("ComFuse: %d post-norm group(s) run as wgmma kernels", len(offloads))
+        LOG.info("ComFuse: %d post-norm group(s) run as %d wgmma kernel(s)", len(offloads), len(symbols))
+        if self.database is not None:
+            (LOG.warning if tuned < len(offloads) else LOG.info)(
+                "ComFuse: %d of %d wgmma post-norm groups use tuned configurations, %d the untuned defaults",
+                tuned, len(offloads), len(offloads) - tuned)
         if not built:
             return out
         existing = list(out.attrs[EXTERNAL_MODS]) if out.attrs and EXTERNAL_MODS in out.attrs else []

@@ -45,6 +45,9 @@ class TuneOptions:
     batch: int = 64  # candidates measured per round; records are written after each round
     #: Values of symbolic shape variables to tune at (``{"n": 4096}``; :mod:`.representative`).
     bind: dict | None = None
+    #: Tune the Hopper post-norm kernel's configurations where it takes a group (None: on sm_90
+    #: targets, as ``get_pipeline`` compiles; False: the mma.sync rule's schedules instead).
+    hopper: bool | None = None
 
 
 @dataclass
@@ -105,7 +108,8 @@ def prepare(options: TuneOptions):
     work = WorkDir(options.work_dir or default_work_dir(target, name), target, options.bind)
     work.check()
     runner = measure.runner(options.rpc_tracker, options.rpc_key)
-    tasks = extract_tasks(mod, target, options.include_vanilla)
+    # symbolic groups compile with the rule (the Hopper kernel needs static shapes): tune the rule
+    tasks = extract_tasks(mod, target, options.include_vanilla, False if options.bind else options.hopper)
     if options.bind:
         with_symbolic(tasks, symbolic, target)
     if not tasks:

@@ -6,6 +6,7 @@ otherwise waits for a server that never comes, or fails every candidate one by o
 
 from __future__ import annotations
 
+import os
 import socket
 
 import tvm
@@ -46,28 +47,56 @@ def check_tracker(host: str, port: int, key: str) -> None:
         )
 
 
+#: Machines with this many cores build candidates in a pool of worker processes.
+POOL_CORES = 8
+
+
+def build_module(mod: tvm.IRModule, target: tvm.target.Target, _params=None) -> tvm.runtime.Module:
+    """Build one candidate as ``tvm_comfuse.compile`` will: lowered with ComFuse's TIR pipeline
+    (the tensor-core kernels' workarounds), or, for a Hopper post-norm candidate, its kernel
+    (:func:`tvm_comfuse.tune.hopper.build_candidate`)."""
+    from . import hopper  # pylint: disable=import-outside-toplevel
+
+    if hopper.description_of(mod) is not None:
+        return hopper.build_candidate(mod)
+    mod = RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod)  # as default_build
+    with tvm.transform.PassContext(opt_level=3, config=PASS_CONFIG):
+        return tvm.tirx.build(mod, target=target, pipeline=TIR_PIPELINE)
+
+
+def worker_pool(workers: int | None = None) -> ms.builder.Builder:
+    """MetaSchedule's LocalBuilder with :func:`build_module`: a fresh pool of worker processes per batch."""
+    return ms.builder.LocalBuilder(max_workers=workers, timeout_sec=120.0, f_build=build_module)
+
+
 @derived_object
 class InProcessBuilder(ms.builder.PyBuilder):
-    """Builds candidates in this process with LocalBuilder's own build and export functions.
+    """Builds candidates with :func:`build_module`: in this process on small machines, in a
+    pool of worker processes (:func:`worker_pool`) on machines of :data:`POOL_CORES` or more.
 
     LocalBuilder starts a fresh pool of Python workers for every batch, and each worker
-    imports TVM inside the 30 s build timeout; on a small, loaded machine that start alone
-    times out and every candidate is recorded as a build error. Building a PrimFunc takes
-    a fraction of a second, so doing it here is faster and never loses a candidate. It
-    lowers with ComFuse's TIR pipeline, as ``tvm_comfuse.compile`` does, so a tuned kernel
-    is measured as it will run.
+    imports TVM inside its build timeout; on a small, loaded machine (CI's two cores) that
+    start alone timed out and every candidate was recorded as a build error, while building a
+    PrimFunc takes a fraction of a second. On a GPU machine the pool pays: a batch of 64
+    builds in parallel. The Hopper post-norm kernel's candidates always go to the pool:
+    generating one takes ~1 s of Python.
     """
 
     def build(self, build_inputs):
-        results = []
-        for item in build_inputs:
-            try:
-                mod = RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(item.mod)  # as default_build
-                with tvm.transform.PassContext(opt_level=3, config=PASS_CONFIG):  # the tensor-core kernels' lowering
-                    built = tvm.tirx.build(mod, target=item.target, pipeline=TIR_PIPELINE)
-                results.append(ms.builder.BuilderResult(local_builder.default_export(built), None))
-            except Exception as err:  # pylint: disable=broad-except  (a failed candidate, not a failed run)
-                results.append(ms.builder.BuilderResult(None, f"InProcessBuilder: {type(err).__name__}: {err}"))
+        from . import hopper  # pylint: disable=import-outside-toplevel
+
+        many = (os.cpu_count() or 1) >= POOL_CORES
+        pooled = [i for i, item in enumerate(build_inputs) if many or hopper.description_of(item.mod) is not None]
+        results = [None] * len(build_inputs)
+        if pooled:
+            for i, result in zip(pooled, worker_pool().build([build_inputs[i] for i in pooled])):
+                results[i] = result
+        for i, item in enumerate(build_inputs):
+            if results[i] is None:
+                try:
+                    results[i] = ms.builder.BuilderResult(local_builder.default_export(build_module(item.mod, item.target)), None)
+                except Exception as err:  # pylint: disable=broad-except  (a failed candidate, not a failed run)
+                    results[i] = ms.builder.BuilderResult(None, f"InProcessBuilder: {type(err).__name__}: {err}")
         return results
 
 

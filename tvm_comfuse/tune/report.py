@@ -2,7 +2,8 @@
 
 A ``gemm_reduce`` record on a GPU is one of the rule's configurations (its trace replays the
 rule's schedule), but the trace does not name it. This re-schedules the task with every
-configuration of the space and matches the results, so a tuning run can be read as "config X
+configuration of the space and matches the results (a ``wgmma_postnorm`` record names its
+configuration in its trace), so a tuning run can be read as "config X
 took Y µs" — what is needed to choose per-architecture defaults in ``schedules/``.
 
 CLI: ``python -m tvm_comfuse.tune.report tuning_logs/cuda-sm_90a/* --out report.json``.
@@ -22,7 +23,9 @@ from tvm.s_tir import meta_schedule as ms
 
 from ..pipeline import load_database
 from ..schedule import GemmRowTile
+from ..schedule.wgmma_space import configs
 from ..target import parse_target
+from . import hopper
 from .logs import META_FILE
 from .representative import config_of
 
@@ -36,11 +39,16 @@ def decode(work_dir: str) -> dict:
     rows, default, spaces = [], None, {}
     for rec in db.get_all_tuning_records():
         func = rec.workload.mod
-        key = tvm_ffi.structural_hash(func)
-        if key not in spaces:  # every configuration scheduled once per task, not once per record
-            spaces[key] = GemmRowTile().scheduled(s_tir.Schedule(func), target)
-            default = default or (spaces[key][0][0] if spaces[key] else None)
-        match = config_of(rec.trace, func, target, spaces[key])
+        desc = hopper.description_of(func)
+        if desc is not None:  # the Hopper kernel's records name their configuration
+            match = hopper.config_of(rec.trace)
+            default = default or configs(*desc.mnk, desc.spec)[0]
+        else:
+            key = tvm_ffi.structural_hash(func)
+            if key not in spaces:  # every configuration scheduled once per task, not once per record
+                spaces[key] = GemmRowTile().scheduled(s_tir.Schedule(func), target)
+                default = default or (spaces[key][0][0] if spaces[key] else None)
+            match = config_of(rec.trace, func, target, spaces[key])
         secs = [float(s) for s in rec.run_secs or []]
         rows.append({"us": round(sum(secs) / len(secs) * 1e6, 2) if secs else None,
                      "config": dataclasses.asdict(match) if match else None})

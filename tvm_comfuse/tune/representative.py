@@ -89,7 +89,8 @@ def counterparts(mod: tvm.IRModule, target: tvm.target.Target, bind: dict) -> di
     bind = {k: v for k, v in (bind or {}).items() if k in symbolic_vars(mod)}
     if not bind:
         return {}
-    return {task.name: task.mod for task in extract_tasks(relax.transform.BindSymbolicVars(bind)(mod), target)}
+    bound = relax.transform.BindSymbolicVars(bind)(mod)
+    return {task.name: task.mod for task in extract_tasks(bound, target, hopper=False)}  # symbolic groups: the rule's
 
 
 def config_of(trace, func: tirx.PrimFunc, target, space: list | None = None):

@@ -2,8 +2,9 @@
 
 On GPUs a gemm_reduce task searches the ComFuse rule's own space
 (:meth:`tvm_comfuse.schedule.GemmRowTile.space`: one complete schedule per configuration
-that fits the target, so nothing is sampled that cannot build); every other task gets
-MetaSchedule's default space for the target.
+that fits the target, so nothing is sampled that cannot build), a wgmma_postnorm task the
+Hopper kernel's configurations (:mod:`.hopper`); every other task gets MetaSchedule's
+default space for the target.
 
 MetaSchedule's default LLVM rules crash on some fused gemm_reduce PrimFuncs (AutoInline
 followed by MultiLevelTiling's consumer fusion fails ``reverse_compute_at`` because the
@@ -24,6 +25,7 @@ from tvm.s_tir import meta_schedule as ms
 from ..graph.group import GEMM_REDUCE
 from ..schedule import GemmRowTile
 from ..target import is_gpu
+from . import hopper
 
 def _row_tile_space(target: tvm.target.Target, symbolic: tirx.PrimFunc | None = None) -> ms.space_generator.SpaceGenerator:
     """The gemm_reduce rule's configurations as a MetaSchedule space. Its schedules are
@@ -46,6 +48,7 @@ def _row_tile_space(target: tvm.target.Target, symbolic: tirx.PrimFunc | None = 
 #: ``(kind, "gpu"|"cpu") -> factory(target) -> SpaceGenerator``: ComFuse's own spaces.
 SPACES: dict[tuple[str, str], Callable[[tvm.target.Target], ms.space_generator.SpaceGenerator]] = {
     (GEMM_REDUCE, "gpu"): _row_tile_space,
+    (hopper.KIND, "gpu"): hopper.space,
 }
 
 
@@ -67,6 +70,8 @@ def candidates(kind: str, target: tvm.target.Target, symbolic: tirx.PrimFunc | N
     if (kind, _family(target)) in SPACES:
         factory = SPACES[(kind, _family(target))]
         out.append((f"comfuse-{kind}", (lambda t: factory(t, symbolic)) if symbolic is not None else factory))
+    if kind == hopper.KIND:  # the kernel is not a schedule of its task's PrimFunc: no stock space applies
+        return out
     defaults = [("default", lambda _t: "post-order-apply"), ("default-no-autoinline", _without_auto_inline)]
     if kind != "vanilla" and not is_gpu(target):
         defaults.reverse()  # the plain default crashes on fused LLVM functions, and failing costs ~25 s

@@ -15,7 +15,7 @@ import tvm
 
 from ..pipeline import count_scheduled, schedule_passes
 from .logs import FAILED_SECS, WorkDir
-from .tasks import fused_module
+from .tasks import fused_module, hopper_tasks
 
 SUMMARY_FILE = "summary.txt"
 
@@ -59,19 +59,20 @@ def write_summary(work: WorkDir, tasks: list, reports: list, target) -> str:
     return text
 
 
-def applied_from_database(mod: tvm.IRModule, target, database) -> tuple[int, int]:
-    """``(taken from the logs, total)`` PrimFuncs when ``mod`` compiles with ``database``.
-
-    Runs the pipeline's fusion and database stages (what ``get_pipeline(target, database)``
-    runs before lowering) and counts the PrimFuncs MetaScheduleApplyDatabase marked scheduled.
-    """
+def applied_from_database(mod: tvm.IRModule, target, database, hopper: bool | None = None) -> tuple[int, int]:
+    """``(taken from the logs, total)`` kernels when ``mod`` compiles with ``database``: the
+    Hopper post-norm groups (``hopper`` as in ``get_pipeline``) with a tuned configuration, and
+    the PrimFuncs MetaScheduleApplyDatabase marks scheduled when the pipeline's fusion and
+    database stages run (what ``get_pipeline(target, database)`` runs before lowering)."""
+    from ..pipeline import load_database  # pylint: disable=import-outside-toplevel
     from ..target import parse_target  # pylint: disable=import-outside-toplevel
+    from ..transform.offload_hopper import uses_hopper  # pylint: disable=import-outside-toplevel
+    from . import hopper as wgmma  # pylint: disable=import-outside-toplevel
 
     target = parse_target(target)
+    use, db = uses_hopper(target, hopper), load_database(database, target)
+    groups = [(task.weight, wgmma.tuned_config(db, task.mod) is not None) for task in (hopper_tasks(mod, target) if use else [])]
     with target:
-        scheduled = tvm.transform.Sequential(schedule_passes(target, database)[:1])(fused_module(mod, target))
+        scheduled = tvm.transform.Sequential(schedule_passes(target, db)[:1])(fused_module(mod, target, use))
     funcs = [f for _, f in scheduled.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
-    return count_scheduled(funcs), len(funcs)
-
-
-
+    return count_scheduled(funcs) + sum(w for w, tuned in groups if tuned), len(funcs) + sum(w for w, _ in groups)

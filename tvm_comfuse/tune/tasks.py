@@ -5,11 +5,12 @@ MetaSchedule's own extractor, so each task's IRModule is exactly what
 ``MetaScheduleApplyDatabase`` looks up when ``get_pipeline(target, database=DIR,
 hopper=False)`` compiles the same module: a record tuned here is a record found there.
 
-What MetaSchedule tunes is the gemm_reduce rule's design space (and, with ``include_vanilla``,
-the stock rules'). The Hopper post-norm kernel, which ``get_pipeline`` uses on sm_90 by default,
-is not a MetaSchedule task (its configuration follows the row width and the SM count), so tasks
-are extracted with ``hopper=False``: on sm_90 the logs serve the rule, and any group the Hopper
-kernel does not take.
+What MetaSchedule tunes: on sm_90 targets (where ``get_pipeline`` runs post-norm groups as the
+Hopper wgmma kernel by default) each group that kernel takes is a ``wgmma_postnorm`` task, its
+configurations the space (:mod:`.hopper`); every other fused group is a task of the gemm_reduce
+or gemm_elementwise rule's space (and, with ``include_vanilla``, the stock rules' for the
+rest). ``hopper=False`` tunes the portable mma.sync rule for every group instead, what
+``get_pipeline(target, hopper=False)`` compiles.
 """
 
 from __future__ import annotations
@@ -17,10 +18,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import tvm
+import tvm_ffi
+from tvm import relax
 from tvm.s_tir import meta_schedule as ms
 
 from ..pipeline import fusion_passes
+from ..transform import FuseComputeMemory
 from ..transform.fuse_compute_memory import KIND_ATTR
+from ..transform.offload_hopper import hopper_takes, match_postnorm, uses_hopper
+from . import hopper
 
 #: Task kind of PrimFuncs that ComFuse did not fuse (tuned only with ``include_vanilla``).
 VANILLA = "vanilla"
@@ -38,17 +44,37 @@ class Task:
     symbolic: object = None
 
 
-def fused_module(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
-    """``mod`` after ComFuse's fusion with the mma.sync rule's groups (and the vanilla fusion of
-    the rest), before scheduling."""
+def fused_module(mod: tvm.IRModule, target: tvm.target.Target, hopper: bool | None = False) -> tvm.IRModule:
+    """``mod`` after ComFuse's fusion (and the vanilla fusion of the rest), before scheduling;
+    with ``hopper`` the groups the wgmma kernel takes are calls of it (not built here)."""
     with target:
-        return tvm.transform.Sequential(fusion_passes(target, hopper=False))(mod)
+        return tvm.transform.Sequential(fusion_passes(target, hopper, build=lambda *_: None))(mod)
 
 
-def extract_tasks(mod: tvm.IRModule, target: tvm.target.Target, include_vanilla: bool = False) -> list[Task]:
-    """The fused PrimFuncs of ``mod`` (and, with ``include_vanilla``, all the others)."""
-    tasks = []
-    for extracted in ms.relax_integration.extract_tasks(fused_module(mod, target), target):
+def hopper_tasks(mod: tvm.IRModule, target: tvm.target.Target) -> list[Task]:
+    """A ``wgmma_postnorm`` task per distinct post-norm group the Hopper kernel takes (weighted
+    by its groups: a model's layers share one)."""
+    with target:
+        grouped = FuseComputeMemory(target=target, hopper=True)(mod)
+    tasks = {}
+    for gv, func in grouped.functions_items():
+        if isinstance(func, relax.Function) and hopper_takes(func, target):
+            task_mod = hopper.workload(func, hopper.describe(match_postnorm(func)))
+            key = tvm_ffi.structural_hash(task_mod)
+            if key in tasks:
+                tasks[key].weight += 1
+            else:
+                tasks[key] = Task(gv.name_hint, hopper.KIND, task_mod, 1)
+    return list(tasks.values())
+
+
+def extract_tasks(mod: tvm.IRModule, target: tvm.target.Target, include_vanilla: bool = False,
+                  hopper: bool | None = None) -> list[Task]:
+    """The fused PrimFuncs of ``mod`` (and, with ``include_vanilla``, all the others); the
+    Hopper kernel's groups first where ``hopper`` (None: on sm_90 targets)."""
+    use = uses_hopper(target, hopper)
+    tasks = hopper_tasks(mod, target) if use else []
+    for extracted in ms.relax_integration.extract_tasks(fused_module(mod, target, use), target):
         func = extracted.dispatched[0]["main"]
         kind = func.attrs.get(KIND_ATTR) if func.attrs is not None else None
         if kind is None and not include_vanilla:

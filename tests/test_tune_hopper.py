@@ -1,0 +1,153 @@
+"""The Hopper post-norm kernel as a tuning task (CPU): its space, its workload, candidates that
+build with the workload's signature, and a compile that reads the tuned configuration back."""
+
+import dataclasses
+import logging
+import os
+
+import pytest
+import tvm
+import tvm_ffi
+from tvm.s_tir import meta_schedule as ms
+from tvm.s_tir.meta_schedule.arg_info import ArgInfo
+
+from tvm_comfuse import workloads
+from tvm_comfuse.schedule import wgmma_postnorm as wp
+from tvm_comfuse.schedule.wgmma_mainloop import WgmmaConfig
+from tvm_comfuse.schedule.wgmma_space import configs
+from tvm_comfuse.transform import FuseComputeMemory, OffloadHopperPostNorm
+from tvm_comfuse.tune import applied_from_database, hopper
+from tvm_comfuse.tune.logs import RECORD_FILE, WORKLOAD_FILE
+from tvm_comfuse.tune.measure import worker_pool
+from tvm_comfuse.tune.tasks import extract_tasks
+
+H100 = "nvidia/nvidia-h100"
+
+
+@pytest.mark.parametrize("shape", workloads.SUITE, ids=lambda s: s.name)
+def test_space_is_every_configuration_the_kernel_takes_default_first(shape):
+    spec = wp.PostNorm.suite()
+    found = configs(shape.M, shape.N, shape.K, spec)
+    assert found[0] == wp.default_config(shape.N, shape.M, shape.K, spec)
+    assert len(set(found)) == len(found) > 1
+    assert all(wp.problems(shape.M, shape.N, shape.K, spec, cfg) == [] for cfg in found)
+    if shape.K == 256:  # short K: resident W slices, with and without ping-pong groups
+        assert any(c.pingpong for c in found) and any(c.resident and not c.pingpong for c in found)
+
+
+def test_space_is_empty_where_the_kernel_cannot_take_the_shape():
+    assert configs(100, 768, 768, wp.PostNorm.suite()) == []  # M not a multiple of 64
+
+
+def _task(M=4096, K=768, N=768, **kw):
+    (task,) = extract_tasks(workloads.post_norm(M, K, N, "float16", "layer_norm", linear=True, **kw), tvm.target.Target(H100))
+    return task
+
+
+def test_sm90_tasks_are_the_wgmma_kernel_s_and_stable():
+    """On sm_90 a post-norm group the kernel takes is a wgmma_postnorm task whose workload is the
+    group's fused PrimFunc, the same module every time it is derived (the compile path's lookup
+    depends on it); ``hopper=False`` tunes the rule instead."""
+    task = _task(batch=2, M=2048)
+    assert task.kind == hopper.KIND and tvm_ffi.structural_equal(task.mod, _task(batch=2, M=2048).mod)
+    desc = hopper.description_of(task.mod)
+    assert desc.mnk == (4096, 768, 768) and desc.lead == (2, 2048) and hopper.Description.from_json(desc.to_json()) == desc
+    # the kernel, its parameters reordered, takes exactly the workload's arguments
+    kernel = desc.kernel(configs(*desc.mnk, desc.spec)[1])
+    assert [(i.shape, i.dtype) for i in ArgInfo.from_prim_func(kernel)] == [(i.shape, i.dtype) for i in ArgInfo.from_prim_func(task.mod["main"])]
+    (rule,) = extract_tasks(workloads.post_norm(4096, 768, 768, "float16", "layer_norm", linear=True), tvm.target.Target(H100), hopper=False)
+    assert rule.kind == "gemm_reduce"
+
+
+def test_candidates_are_the_space_and_build_for_sm90a():
+    """One design space per configuration, each naming it in its trace; a candidate builds (in
+    the builder's worker pool) into a module whose entry takes the workload's arguments."""
+    task = _task(M=256)
+    target = tvm.target.Target(H100)
+    ctx = ms.TuneContext(mod=task.mod, target=target, space_generator=hopper.space(target), task_name="t", num_threads=1)
+    spaces = ctx.generate_design_space()
+    desc = hopper.description_of(task.mod)
+    assert [hopper.config_of(s.trace) for s in spaces] == configs(*desc.mnk, desc.spec)
+    picks = [spaces[0], spaces[-1]]
+    results = worker_pool(workers=2).build([ms.builder.BuilderInput(s.mod, target) for s in picks])
+    assert [r.error_msg for r in results] == [None, None] and all(os.path.isfile(r.artifact_path) for r in results)
+    assert hopper.build_candidate(picks[1].mod).entry_name == "main"
+
+
+def _logs(path, task, picks):
+    """A log directory with a record per ``(config, seconds)`` of ``picks`` for ``task``."""
+    target = tvm.target.Target(H100)
+    db = ms.database.JSONDatabase(str(path / WORKLOAD_FILE), str(path / RECORD_FILE), allow_missing=True)
+    workload = db.commit_workload(task.mod)
+    for cfg, secs in picks:
+        sch = tvm.s_tir.Schedule(task.mod)
+        sch.annotate(sch.get_sblock("root"), hopper.CONFIG_ANN, hopper.json.dumps(dataclasses.asdict(cfg), sort_keys=True))
+        db.commit_tuning_record(ms.database.TuningRecord(sch.trace, workload, [secs], target, ArgInfo.from_prim_func(task.mod["main"])))
+    return str(path)
+
+
+def _spied_configs(monkeypatch, mod, logs):
+    """The configurations OffloadHopperPostNorm builds ``mod``'s groups with, given ``logs``."""
+    from tvm_comfuse.pipeline import load_database  # pylint: disable=import-outside-toplevel
+
+    target, seen, real = tvm.target.Target(H100), [], wp.wgmma_postnorm
+    monkeypatch.setattr(wp, "wgmma_postnorm", lambda *a, **kw: seen.append(a[4] if len(a) > 4 else kw.get("cfg")) or real(*a, **kw))
+    with target:
+        grouped = FuseComputeMemory(target=target, hopper=True)(mod)
+        OffloadHopperPostNorm(target, build=lambda *_: None, database=load_database(logs, target))(grouped)
+    return seen
+
+
+def test_compile_uses_the_fastest_tuned_configuration(tmp_path, monkeypatch, caplog):
+    mod = workloads.post_norm(4096, 768, 768, "float16", "layer_norm", linear=True)
+    task = _task()
+    desc = hopper.description_of(task.mod)
+    space = configs(*desc.mnk, desc.spec)
+    logs = _logs(tmp_path, task, [(space[0], 3e-5), (space[7], 2e-5), (space[3], 1e9)])  # 1e9: a failed candidate
+    with caplog.at_level(logging.INFO, logger="tvm_comfuse"):
+        assert _spied_configs(monkeypatch, mod, logs) == [space[7]]
+    assert "1 of 1 wgmma post-norm groups use tuned configurations" in caplog.text
+    assert applied_from_database(mod, H100, logs) == (1, 1)
+    assert applied_from_database(mod, H100, logs, hopper=False) == (0, 1)  # the rule's task has no record
+
+
+def test_an_unusable_record_falls_back_to_the_default(tmp_path, monkeypatch, caplog):
+    """A record whose configuration the kernel cannot run for this shape (a hand-edited or
+    foreign log) is not applied: the default is, with a warning naming why."""
+    mod = workloads.post_norm(4096, 768, 768, "float16", "layer_norm", linear=True)
+    logs = _logs(tmp_path, _task(), [(WgmmaConfig(64, 384, 9, 64, 2), 1e-6)])  # nine stages overflow shared memory
+    with caplog.at_level(logging.WARNING, logger="tvm_comfuse"):
+        assert _spied_configs(monkeypatch, mod, logs) == [None]
+    assert "unusable" in caplog.text and "shared memory" in caplog.text
+
+
+def _two_layers(M=512, N=256, dtype="float16"):
+    """``LayerNorm(h @ w_i.T + b_i + h)`` twice, each layer with its own parameters."""
+    from tvm import relax  # pylint: disable=import-outside-toplevel
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((M, N), dtype))
+    layers = [[relax.Var(f"{n}{i}", relax.TensorType((N, N) if n == "w" else (N,), dtype)) for n in ("w", "b", "g", "be")]
+              for i in range(2)]
+    with bb.function("main", [x] + [p for layer in layers for p in layer]):
+        with bb.dataflow():
+            h = x
+            for w, b, g, be in layers:
+                y = bb.emit(relax.op.add(bb.emit(relax.op.matmul(h, bb.emit(relax.op.permute_dims(w)))), b))
+                h = bb.emit(relax.op.nn.layer_norm(bb.emit(relax.op.add(y, h)), g, be, axes=[-1]))
+            out = bb.emit_output(h)
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_layers_share_one_task_and_one_kernel(caplog):
+    """Identical post-norm groups (a model's layers) are one task, weighted by their count, and
+    compile to one kernel."""
+    target = tvm.target.Target(H100)
+    mod = _two_layers()
+    (task,) = extract_tasks(mod, target)
+    assert task.kind == hopper.KIND and task.weight == 2
+    with caplog.at_level(logging.INFO, logger="tvm_comfuse"), target:
+        grouped = FuseComputeMemory(target=target, hopper=True)(mod)
+        OffloadHopperPostNorm(target, build=lambda *_: None)(grouped)
+    assert "2 post-norm group(s) run as 1 wgmma kernel(s)" in caplog.text

@@ -1,0 +1,46 @@
+"""The Hopper post-norm kernel's configurations for one shape: what ``comfuse tune`` searches.
+
+:func:`~.wgmma_postnorm.default_config` picks one configuration by rules measured on the
+H200; this is every configuration :func:`~.wgmma_postnorm.problems` accepts for a shape, so
+MetaSchedule can measure the rest on the user's GPU (issues 4 and 8). The knobs are those of
+:class:`~.wgmma_mainloop.WgmmaConfig` that change the kernel's speed and not its validity:
+
+- rows a CTA (``bm`` 64 or 128) and the cluster's slices (``bn = N / ranks``);
+- consumer warpgroups a slice (``wg_n``), ring depth (``stages``) and K step (``bk``);
+- a resident W slice, with or without ping-pong consumer groups.
+
+Left out, measured slower on the H200 and kept as opt-in knobs: two CTAs an SM and producer
+warps (session 12: both spill or lose their overlap), ``inflight = 0`` (session 8), and
+clusters of three (allowed, with 39 active clusters, but never faster in session 12).
+Only configurations that pass ``problems`` (registers as ptxas budgets them, shared memory
+with the staged tiles and exchange buffers, cluster and TMA box limits) are listed, so
+nothing is proposed that cannot build.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from .wgmma_mainloop import WgmmaConfig
+from .wgmma_postnorm import DEFAULT_CLUSTER_SIZES, PostNorm, default_config, problems
+
+ROWS = (64, 128)
+WARPGROUPS = (1, 2)
+STAGES = (2, 3, 4, 5, 6)
+K_STEPS = (64, 32)
+
+
+def configs(m: int, n: int, k: int, spec: PostNorm) -> list[WgmmaConfig]:
+    """The configurations the kernel can run for ``m x n x k`` and ``spec``, the untuned
+    default first (none where the kernel cannot take the shape at all)."""
+    if problems(m, n, k, spec):
+        return []
+    found = [default_config(n, m, k, spec)]
+    for bm, ranks, wg_n, stages, bk in itertools.product(ROWS, DEFAULT_CLUSTER_SIZES, WARPGROUPS, STAGES, K_STEPS):
+        if n % ranks:
+            continue
+        for resident, pingpong in ((False, False), (True, False), (True, True)):
+            cfg = WgmmaConfig(bm=bm, bn=n // ranks, stages=stages, bk=bk, wg_n=wg_n, resident=resident, pingpong=pingpong)
+            if cfg not in found and not problems(m, n, k, spec, cfg):
+                found.append(cfg)
+    return found
