@@ -151,3 +151,51 @@ def test_layers_share_one_task_and_one_kernel(caplog):
         grouped = FuseComputeMemory(target=target, hopper=True)(mod)
         OffloadHopperPostNorm(target, build=lambda *_: None)(grouped)
     assert "2 post-norm group(s) run as 1 wgmma kernel(s)" in caplog.text
+
+
+def test_untuned_default_is_measured_first_and_only_once(tmp_path):
+    """Before the search (which samples at random and may never draw it), the task's untuned
+    default is measured and logged, so every log says how far tuning moved from it; a resumed
+    run does not measure it again. (Builder and runner are stand-ins: no GPU here.)"""
+    from tvm.ir.utils import derived_object  # pylint: disable=import-outside-toplevel
+
+    from tvm_comfuse.tune import driver  # pylint: disable=import-outside-toplevel
+    from tvm_comfuse.tune.summary import TaskReport  # pylint: disable=import-outside-toplevel
+
+    @derived_object
+    class Built(ms.builder.PyBuilder):
+        def build(self, build_inputs):
+            out = tmp_path / f"artifact{len(list(tmp_path.iterdir()))}"
+            out.mkdir()
+            return [ms.builder.BuilderResult(str(out / "mod.tar"), None) for _ in build_inputs]
+
+    @derived_object
+    class Done(ms.runner.PyRunnerFuture):
+        def done(self):
+            return True
+
+        def result(self):
+            return ms.runner.RunnerResult([2.5e-5], None)
+
+    @derived_object
+    class Timed(ms.runner.PyRunner):
+        def run(self, runner_inputs):
+            return [Done() for _ in runner_inputs]
+
+    class Bar:  # pylint: disable=too-few-public-methods
+        def update(self, _n):
+            pass
+
+    target, task = tvm.target.Target(H100), _task(M=256)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    db = ms.database.JSONDatabase(str(logs / WORKLOAD_FILE), str(logs / RECORD_FILE), allow_missing=True)
+    run = driver._Run(None, target, str(logs), db, Built(), Timed(), 1, Bar())  # pylint: disable=protected-access
+    report = TaskReport(task.name, task.kind, 8)
+    assert driver._measure_default(run, task, hopper.space(target), report) == 1  # pylint: disable=protected-access
+    desc = hopper.description_of(task.mod)
+    (record,) = db.get_all_tuning_records()
+    assert hopper.config_of(record.trace) == configs(*desc.mnk, desc.spec)[0] and [float(s) for s in record.run_secs] == [2.5e-5]
+    assert report.measured == 1 and report.build_errors == 0
+    assert driver._measure_default(run, task, hopper.space(target), report) == 0  # pylint: disable=protected-access
+    assert len(db.get_all_tuning_records()) == 1

@@ -10,8 +10,13 @@ MetaSchedule can measure the rest on the user's GPU (issues 4 and 8). The knobs 
 - a resident W slice, with or without ping-pong consumer groups.
 
 Left out, measured slower on the H200 and kept as opt-in knobs: two CTAs an SM and producer
-warps (session 12: both spill or lose their overlap), ``inflight = 0`` (session 8), and
-clusters of three (allowed, with 39 active clusters, but never faster in session 12).
+warps (session 12: both spill or lose their overlap), ``inflight = 0`` (session 8), clusters of
+three (allowed, with 39 active clusters, but never faster in session 12), and more than
+:data:`~.wgmma_postnorm.MAX_CONSUMERS` consumer warpgroups a tile (``bm = 128`` with ``wg_n =
+2``): in session 13's H200 tuning logs every one of those 51 candidates was 1.48-5.3x slower than
+its shape's best, and one of them, 128 x 96 tiles with a three-stage ring of 32-deep K steps,
+failed to run at both shapes it was tried at (``tuning_logs/cuda-sm_90a/bert-base-*``; not yet
+understood: the same tile ran with 2, 4, 5 and 6 stages).
 Only configurations that pass ``problems`` (registers as ptxas budgets them, shared memory
 with the staged tiles and exchange buffers, cluster and TMA box limits) are listed, so
 nothing is proposed that cannot build.
@@ -22,7 +27,7 @@ from __future__ import annotations
 import itertools
 
 from .wgmma_mainloop import WgmmaConfig
-from .wgmma_postnorm import DEFAULT_CLUSTER_SIZES, PostNorm, default_config, problems
+from .wgmma_postnorm import DEFAULT_CLUSTER_SIZES, MAX_CONSUMERS, PostNorm, default_config, problems
 
 ROWS = (64, 128)
 WARPGROUPS = (1, 2)
@@ -37,7 +42,7 @@ def configs(m: int, n: int, k: int, spec: PostNorm) -> list[WgmmaConfig]:
         return []
     found = [default_config(n, m, k, spec)]
     for bm, ranks, wg_n, stages, bk in itertools.product(ROWS, DEFAULT_CLUSTER_SIZES, WARPGROUPS, STAGES, K_STEPS):
-        if n % ranks:
+        if n % ranks or bm // 64 * wg_n > MAX_CONSUMERS:
             continue
         for resident, pingpong in ((False, False), (True, False), (True, True)):
             cfg = WgmmaConfig(bm=bm, bn=n // ranks, stages=stages, bk=bk, wg_n=wg_n, resident=resident, pingpong=pingpong)

@@ -11,17 +11,19 @@ records as soon as it is measured: an interrupt or crash loses at most the batch
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 
 import tvm
+import tvm_ffi
 from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 
 from ..errors import ComFuseError
 from ..target import is_gpu, tuning_target
 from . import measure, space
-from .logs import WorkDir, default_work_dir
+from .logs import FAILED_SECS, WorkDir, default_work_dir
 from .registry import load_workload
 from .representative import bind_rows, with_symbolic
 from .summary import TaskReport, write_summary
@@ -158,12 +160,46 @@ class _Run:
     bar: object
 
 
+def _measure_default(run: _Run, task: Task, space_gen, report: TaskReport) -> int:
+    """Measure the untuned default (the first design space of ComFuse's spaces) unless the logs
+    have it: the search samples the space at random and may never draw it, and a log should
+    say how far tuning moved from what an untuned compile runs. Returns the trials it took."""
+    ctx = ms.TuneContext(mod=task.mod, target=run.target, space_generator=space_gen, task_name=task.name, num_threads=1)
+    spaces = ctx.generate_design_space()
+    if not spaces:
+        return 0
+    sch, workload = spaces[0], run.database.commit_workload(task.mod)
+    if any(str(rec.trace) == str(sch.trace) for rec in run.database.get_all_tuning_records()
+           if tvm_ffi.structural_equal(rec.workload.mod, task.mod)):
+        return 0
+    args = ms.arg_info.ArgInfo.from_entry_func(sch.mod, remove_preproc=True)
+    start = time.perf_counter()
+    (built,) = run.builder.build([ms.builder.BuilderInput(sch.mod, run.target)])
+    secs = [FAILED_SECS]
+    if built.error_msg is None:
+        (future,) = run.runner.run([ms.runner.RunnerInput(built.artifact_path, run.target.kind.name, args)])
+        result = future.result()
+        secs = [float(s) for s in result.run_secs] if result.error_msg is None else secs
+        shutil.rmtree(os.path.dirname(built.artifact_path), ignore_errors=True)
+    run.database.commit_tuning_record(ms.database.TuningRecord(sch.trace, workload, secs, run.target, args))
+    report.measured += 1
+    report.build_errors += built.error_msg is not None
+    report.wall_s += time.perf_counter() - start
+    run.bar.update(1)
+    return 1
+
+
 def _tune_task(run: _Run, index: int, task: Task, trials: int, report: TaskReport) -> None:
     label, space_gen = space.space_for(task.kind, task.mod, run.target, task.symbolic)
     report.space = label
     if label is None:  # no space can schedule it: it stays on the default schedule
         report.error = "; ".join(space_gen)
         return
+    if label.startswith("comfuse-"):  # ComFuse's spaces list the untuned default first
+        trials -= _measure_default(run, task, space_gen, report)
+        space_gen = space.space_for(task.kind, task.mod, run.target, task.symbolic)[1]  # a fresh one for the search
+        if trials <= 0:
+            return
     context = ms.TuneContext(
         mod=task.mod, target=run.target, space_generator=space_gen, search_strategy=_search_strategy(trials),
         task_name=task.name, rand_state=run.options.seed + index, num_threads=run.cores,

@@ -26,49 +26,76 @@ from ..schedule import GemmRowTile
 from ..schedule.wgmma_space import configs
 from ..target import parse_target
 from . import hopper
-from .logs import META_FILE
+from .logs import FAILED_SECS, META_FILE, RECORD_FILE, WORKLOAD_FILE
 from .representative import config_of
 
 
+def _in_measured_order(work_dir: str):
+    """The records of a log directory in the order they were measured (the database's own
+    listing is sorted by time)."""
+    with open(os.path.join(work_dir, WORKLOAD_FILE), encoding="utf-8") as f:
+        workloads = [ms.database.Workload.from_json(json.loads(line)) for line in f if line.strip()]
+    with open(os.path.join(work_dir, RECORD_FILE), encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                index, record = json.loads(line)
+                yield ms.database.TuningRecord.from_json(record, workloads[index])
+
+
 def decode(work_dir: str) -> dict:
-    """``{"workload", "target", "default", "records": [{"us", "config"}]}`` for one work dir
-    (fastest first; ``config`` None for a record that is not one of the rule's configurations)."""
+    """``{"workload", "target", "tasks": [{"kind", "default", "records": [{"us", "trial",
+    "config"}], "best_trial", "default_over_best"}]}`` for one work dir: a task per tuned kernel
+    (a directory may hold the wgmma kernel's records and the mma.sync rule's), its records fastest
+    first; ``trial`` is a record's place in the order it was measured (1 = first), ``config``
+    None for a record that is not one of the space's configurations."""
     with open(os.path.join(work_dir, META_FILE), encoding="utf-8") as f:
         target = parse_target(json.load(f)["target"])
-    db = load_database(work_dir, target)
-    rows, default, spaces = [], None, {}
-    for rec in db.get_all_tuning_records():
+    load_database(work_dir, target)  # checks the logs, registers the intrinsics their traces name
+    tasks, spaces = {}, {}
+    for rec in _in_measured_order(work_dir):
         func = rec.workload.mod
+        key = tvm_ffi.structural_hash(func)
         desc = hopper.description_of(func)
-        if desc is not None:  # the Hopper kernel's records name their configuration
-            match = hopper.config_of(rec.trace)
-            default = default or configs(*desc.mnk, desc.spec)[0]
-        else:
-            key = tvm_ffi.structural_hash(func)
-            if key not in spaces:  # every configuration scheduled once per task, not once per record
-                spaces[key] = GemmRowTile().scheduled(s_tir.Schedule(func), target)
-                default = default or (spaces[key][0][0] if spaces[key] else None)
-            match = config_of(rec.trace, func, target, spaces[key])
+        if key not in spaces:  # every configuration listed (or scheduled) once per task, not once per record
+            spaces[key] = configs(*desc.mnk, desc.spec) if desc is not None else GemmRowTile().scheduled(s_tir.Schedule(func), target)
+            first = spaces[key][0] if spaces[key] else None
+            default = first if desc is not None else (first[0] if first else None)
+            tasks[key] = {"kind": hopper.KIND if desc is not None else "gemm_reduce",
+                          "default": dataclasses.asdict(default) if default else None, "records": []}
+        # the Hopper kernel's records name their configuration; the rule's are matched by schedule
+        match = hopper.config_of(rec.trace) if desc is not None else config_of(rec.trace, func, target, spaces[key])
         secs = [float(s) for s in rec.run_secs or []]
-        rows.append({"us": round(sum(secs) / len(secs) * 1e6, 2) if secs else None,
-                     "config": dataclasses.asdict(match) if match else None})
-    rows.sort(key=lambda r: float("inf") if r["us"] is None else r["us"])
+        us = round(sum(secs) / len(secs) * 1e6, 2) if secs and max(secs) < FAILED_SECS else None
+        rows = tasks[key]["records"]
+        rows.append({"us": us, "trial": len(rows) + 1, "config": dataclasses.asdict(match) if match else None})
+    for task in tasks.values():
+        rows = task["records"]
+        rows.sort(key=lambda r: float("inf") if r["us"] is None else r["us"])
+        best = rows[0]["us"] if rows else None
+        at_default = next((r["us"] for r in rows if r["config"] == task["default"]), None)
+        task["best_trial"] = rows[0]["trial"] if best is not None else None
+        task["default_over_best"] = round(at_default / best, 3) if best and at_default else None
     return {"workload": os.path.basename(os.path.normpath(work_dir)), "target": str(target.attrs.get("arch", "")),
-            "default": dataclasses.asdict(default) if default else None, "records": rows}
+            "tasks": list(tasks.values())}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tvm_comfuse.tune.report", description=__doc__.split("\n")[0])
     parser.add_argument("work_dirs", nargs="+", help="comfuse tune work directories")
     parser.add_argument("--out", help="write the decoded records as JSON")
+    parser.add_argument("--top", type=int, default=5, help="records to print per task (default 5)")
     args = parser.parse_args(argv)
     reports = [decode(d) for d in args.work_dirs]
     for r in reports:
-        default = r["default"]
-        print(f"{r['workload']} ({r['target']}), untuned default {default}")
-        for row in r["records"]:
-            mark = "  <- default" if row["config"] == default else ""
-            print(f"  {row['us'] if row['us'] is not None else 'failed':>10} us  {row['config']}{mark}")
+        for task in r["tasks"]:
+            rows = task["records"]
+            failed = sum(row["us"] is None for row in rows)
+            print(f"{r['workload']} ({r['target']}, {task['kind']}): {len(rows)} records, {failed} failed, best at trial "
+                  f"{task['best_trial']}, untuned default "
+                  + (f"{task['default_over_best']}x the best" if task["default_over_best"] else "not measured"))
+            for row in rows[:args.top] + [row for row in rows[args.top:] if row["config"] == task["default"]]:
+                mark = "  <- default" if row["config"] == task["default"] else ""
+                print(f"  {row['us'] if row['us'] is not None else 'failed':>10} us  trial {row['trial']:>3}  {row['config']}{mark}")
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump(reports, f, indent=1)
