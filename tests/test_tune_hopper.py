@@ -199,3 +199,18 @@ def test_untuned_default_is_measured_first_and_only_once(tmp_path):
     assert report.measured == 1 and report.build_errors == 0
     assert driver._measure_default(run, task, hopper.space(target), report) == 0  # pylint: disable=protected-access
     assert len(db.get_all_tuning_records()) == 1
+
+
+def test_rule_candidates_build_in_the_worker_pool_too():
+    """On machines with the cores (the GPU machines that tune) the mma.sync rule's candidates
+    go to the same worker pool: a complete tensor-core schedule survives the trip to a worker
+    and builds there with ComFuse's TIR pipeline."""
+    from tvm_comfuse.tune.space import space_for  # pylint: disable=import-outside-toplevel
+
+    target = tvm.target.Target(H100)
+    (task,) = extract_tasks(workloads.post_norm(256, 256, 256, "float16", "layer_norm", linear=True), target, hopper=False)
+    label, space_gen = space_for(task.kind, task.mod, target)
+    ctx = ms.TuneContext(mod=task.mod, target=target, space_generator=space_gen, task_name="t", num_threads=1)
+    first = ctx.generate_design_space()[0]
+    (result,) = worker_pool(workers=1).build([ms.builder.BuilderInput(first.mod, target)])
+    assert label == "comfuse-gemm_reduce" and result.error_msg is None and os.path.isfile(result.artifact_path)

@@ -35,7 +35,7 @@ streams x through the ring and, from a second warp, the next block's residual in
 two staged sets; the row partials then cross the cluster by ``st.async`` onto mbarriers (the
 producer, a block ahead, never meets a cluster barrier). The default where it measured faster
 (:func:`resident_pays`). With ``WgmmaConfig(pingpong=True)`` (session 12; the resident default
-since session 13, where it measured 7-16% faster than the resident kernel without it) its two
+since session 13, where it measured 8-16% faster than the resident kernel without it) its two
 consumer warpgroups each own a whole block's slice and take alternate row blocks, their
 mainloops in turn (the ``turn`` mbarriers), so one's epilogue runs beside the other's wgmmas;
 each has its own named barrier and two exchange sets of its own.

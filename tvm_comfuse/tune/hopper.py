@@ -20,7 +20,7 @@ of an s_tir PrimFunc, so MetaSchedule cannot search it the usual way. What makes
 
 The annotations are all that differs between candidates, so the XGBoost cost model sees the same
 features for each: it cannot rank them, and the search measures the space in random order. The
-space (7 to 130 configurations on the suite's shapes) is small enough for that; the measured
+space (7 to 112 configurations on the suite's shapes) is small enough for that; the measured
 trials-to-best are in ``tuning_logs/README.md``.
 """
 
