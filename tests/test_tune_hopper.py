@@ -214,3 +214,25 @@ def test_rule_candidates_build_in_the_worker_pool_too():
     first = ctx.generate_design_space()[0]
     (result,) = worker_pool(workers=1).build([ms.builder.BuilderInput(first.mod, target)])
     assert label == "comfuse-gemm_reduce" and result.error_msg is None and os.path.isfile(result.artifact_path)
+
+
+@pytest.mark.parametrize("shape", workloads.SUITE, ids=lambda s: s.name)
+def test_shipped_tuned_configurations_compile_clean(shape):
+    """The configuration the shipped H200 logs give each suite shape (MetaSchedule's runner
+    times kernels, it does not check them) compiles for sm_90a with no accumulator read while a
+    wgmma may write it and no spills: what the hazard test checks for the defaults."""
+    from tvm_comfuse import codegen  # pylint: disable=import-outside-toplevel
+    from tvm_comfuse.bench import tuned_logs  # pylint: disable=import-outside-toplevel
+    from tvm_comfuse.pipeline import load_database  # pylint: disable=import-outside-toplevel
+    from tvm_comfuse.schedule.wgmma_mainloop import build  # pylint: disable=import-outside-toplevel
+    from tvm_comfuse.tune.registry import load_workload  # pylint: disable=import-outside-toplevel
+
+    if codegen.nvdisasm() is None:
+        pytest.fail("nvdisasm is missing: pip install nvidia-cuda-nvdisasm (the test extra)")
+    target = tvm.target.Target(H100)
+    (task,) = extract_tasks(load_workload(shape.name)[1], target)
+    cfg = hopper.tuned_config(load_database(tuned_logs(shape.name), target), task.mod)
+    assert cfg is not None
+    source = codegen.cuda_source(build(hopper.description_of(task.mod).kernel(cfg)))
+    assert codegen.wgmma_hazards(codegen.sass(codegen.compile_with_nvcc(source, "sm_90a"))) == []
+    assert codegen.ptxas_usage(source)["spill"] == 0
