@@ -1,7 +1,6 @@
 """The Hopper post-norm kernel as a tuning task (CPU): its space, its workload, candidates that
 build with the workload's signature, and a compile that reads the tuned configuration back."""
 
-import dataclasses
 import logging
 import os
 
@@ -81,7 +80,7 @@ def _logs(path, task, picks):
     workload = db.commit_workload(task.mod)
     for cfg, secs in picks:
         sch = tvm.s_tir.Schedule(task.mod)
-        sch.annotate(sch.get_sblock("root"), hopper.CONFIG_ANN, hopper.json.dumps(dataclasses.asdict(cfg), sort_keys=True))
+        sch.annotate(sch.get_sblock("root"), hopper.CONFIG_ANN, hopper.config_json(cfg))
         db.commit_tuning_record(ms.database.TuningRecord(sch.trace, workload, [secs], target, ArgInfo.from_prim_func(task.mod["main"])))
     return str(path)
 

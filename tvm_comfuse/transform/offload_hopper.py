@@ -175,6 +175,25 @@ def hopper_takes(func: relax.Function, target: tvm.target.Target) -> bool:
     return found is not None and not wp.problems(*found[2], found[0])
 
 
+def taken_groups(mod: tvm.IRModule):
+    """``(global var, function, match_postnorm's result)`` of each outlined ``gemm_reduce``
+    group of ``mod`` the wgmma kernel takes: what :class:`OffloadHopperPostNorm` replaces and
+    what ``comfuse tune`` makes its tasks (the groups it declines are logged with the reason)."""
+    from ..schedule import wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
+
+    for gv, func in mod.functions_items():
+        if not isinstance(func, relax.Function) or str((func.attrs or {}).get(KIND_ATTR, "")) != "gemm_reduce":
+            continue
+        found = match_postnorm(func)
+        if found is None:
+            continue
+        why = wp.problems(*found[2], found[0])
+        if why:
+            LOG.info("ComFuse: %s stays with the gemm_reduce rule, the wgmma kernel cannot take %s", gv.name_hint, "; ".join(why))
+            continue
+        yield gv, func, found
+
+
 def _build(prim_func, symbol: str, target: tvm.target.Target):
     from ..schedule.wgmma_mainloop import build  # pylint: disable=import-outside-toplevel
 
@@ -238,17 +257,8 @@ class OffloadHopperPostNorm:  # pylint: disable=too-few-public-methods
             return mod
         build = self.build or (lambda func, symbol, _spec, _mnk: _build(func, symbol, self.target))
         offloads, built, symbols, tuned = {}, [], {}, 0
-        for gv, func in mod.functions_items():
-            if not isinstance(func, relax.Function) or str((func.attrs or {}).get(KIND_ATTR, "")) != "gemm_reduce":
-                continue
-            found = match_postnorm(func)
-            if found is None:
-                continue
+        for gv, func, found in taken_groups(mod):
             spec, roles, mnk, out_shape, order = found
-            why = wp.problems(*mnk, spec)
-            if why:
-                LOG.info("ComFuse: %s stays with the gemm_reduce rule, the wgmma kernel cannot take %s", gv.name_hint, "; ".join(why))
-                continue
             cfg = self._config(func, found)
             tuned += cfg is not None
             key = (spec, mnk, tuple(out_shape), cfg)

@@ -197,7 +197,7 @@ def _tune_task(run: _Run, index: int, task: Task, trials: int, report: TaskRepor
         return
     if label.startswith("comfuse-"):  # ComFuse's spaces list the untuned default first
         trials -= _measure_default(run, task, space_gen, report)
-        space_gen = space.space_for(task.kind, task.mod, run.target, task.symbolic)[1]  # a fresh one for the search
+        space_gen = dict(space.candidates(task.kind, run.target, task.symbolic))[label](run.target)  # a fresh one for the search
         if trials <= 0:
             return
     context = ms.TuneContext(

@@ -108,6 +108,15 @@ def description_of(mod: tvm.IRModule) -> Description | None:
     return Description.from_json(str(text)) if text is not None else None
 
 
+def config_json(cfg: WgmmaConfig) -> str:
+    """The annotation of a candidate's configuration."""
+    return json.dumps(dataclasses.asdict(cfg), sort_keys=True)
+
+
+def config_from_json(text) -> WgmmaConfig:
+    return WgmmaConfig(**json.loads(str(text)))
+
+
 def space(_target: tvm.target.Target, _symbolic=None) -> ms.space_generator.SpaceGenerator:
     """One schedule per configuration, the configuration annotated on the root block."""
 
@@ -116,7 +125,7 @@ def space(_target: tvm.target.Target, _symbolic=None) -> ms.space_generator.Spac
         out = []
         for cfg in configs(*desc.mnk, desc.spec):
             one = sch.copy()
-            one.annotate(one.get_sblock("root"), CONFIG_ANN, json.dumps(dataclasses.asdict(cfg), sort_keys=True))
+            one.annotate(one.get_sblock("root"), CONFIG_ANN, config_json(cfg))
             out.append(one)
         return out
 
@@ -127,7 +136,7 @@ def config_of(trace) -> WgmmaConfig | None:
     """The configuration a candidate's (or record's) trace annotates, or None."""
     for inst in trace.insts:
         if inst.kind.name == "Annotate" and list(inst.attrs) == [CONFIG_ANN]:
-            return WgmmaConfig(**json.loads(str(inst.inputs[1])))
+            return config_from_json(inst.inputs[1])
     return None
 
 
@@ -136,10 +145,8 @@ def build_candidate(mod: tvm.IRModule, _target=None, _params=None) -> tvm.runtim
     block) for sm_90a, callable with the workload's arguments. Runs in a builder worker."""
     from ..schedule.wgmma_mainloop import build  # pylint: disable=import-outside-toplevel
 
-    desc = description_of(mod)
-    root = mod["main"].body.block
-    cfg = WgmmaConfig(**json.loads(str(root.annotations[CONFIG_ANN])))
-    return build(desc.kernel(cfg)).mod
+    cfg = config_from_json(mod["main"].body.block.annotations[CONFIG_ANN])
+    return build(description_of(mod).kernel(cfg)).mod
 
 
 def tuned_config(db: ms.Database, mod: tvm.IRModule) -> WgmmaConfig | None:

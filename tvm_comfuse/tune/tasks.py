@@ -19,13 +19,12 @@ from dataclasses import dataclass
 
 import tvm
 import tvm_ffi
-from tvm import relax
 from tvm.s_tir import meta_schedule as ms
 
 from ..pipeline import fusion_passes
 from ..transform import FuseComputeMemory
 from ..transform.fuse_compute_memory import KIND_ATTR
-from ..transform.offload_hopper import hopper_takes, match_postnorm, uses_hopper
+from ..transform.offload_hopper import taken_groups, uses_hopper
 from . import hopper
 
 #: Task kind of PrimFuncs that ComFuse did not fuse (tuned only with ``include_vanilla``).
@@ -57,14 +56,13 @@ def hopper_tasks(mod: tvm.IRModule, target: tvm.target.Target) -> list[Task]:
     with target:
         grouped = FuseComputeMemory(target=target, hopper=True)(mod)
     tasks = {}
-    for gv, func in grouped.functions_items():
-        if isinstance(func, relax.Function) and hopper_takes(func, target):
-            task_mod = hopper.workload(func, hopper.describe(match_postnorm(func)))
-            key = tvm_ffi.structural_hash(task_mod)
-            if key in tasks:
-                tasks[key].weight += 1
-            else:
-                tasks[key] = Task(gv.name_hint, hopper.KIND, task_mod, 1)
+    for gv, func, found in taken_groups(grouped):
+        task_mod = hopper.workload(func, hopper.describe(found))
+        key = tvm_ffi.structural_hash(task_mod)
+        if key in tasks:
+            tasks[key].weight += 1
+        else:
+            tasks[key] = Task(gv.name_hint, hopper.KIND, task_mod, 1)
     return list(tasks.values())
 
 
