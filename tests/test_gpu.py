@@ -17,11 +17,11 @@ TOL = {"float16": 5e-2, "bfloat16": 2e-1}
 SHAPES = [(1, 64, 72), (100, 200, 72), (333, 96, 130), (4096, 768, 768), (1000, 3072, 768)]
 
 
-def _run_on_gpu(mod, args, hopper=False):
+def _run_on_gpu(mod, args, hopper=False, hopper_elementwise=False):
     import tvm  # pylint: disable=import-outside-toplevel
 
     target = tvm.target.Target.from_device(tvm.cuda(0))
-    ex = runtime.compile_module(mod, target, hopper=hopper)
+    ex = runtime.compile_module(mod, target, hopper=hopper, hopper_elementwise=hopper_elementwise)
     vm = tvm.relax.VirtualMachine(ex, tvm.cuda(0))
     out = vm["main"](*[tvm.runtime.from_dlpack(a) for a in args])
     items = list(out) if isinstance(out, (tvm.ir.Array, list, tuple)) else [out]
@@ -180,6 +180,23 @@ def test_bert_encoder_fp16_on_gpu():
     assert (out - ref).abs().max().item() <= 5e-2
 
 
+def test_gpu_bert_encoder_with_every_gemm_chain_on_the_wgmma_kernels():
+    """The encoder with ``hopper_elementwise=True``: the Q, K, V and FFN1 chains run as the
+    GEMM + elementwise wgmma kernel (beside the post-norm one) and the output matches PyTorch."""
+    import tvm  # pylint: disable=import-outside-toplevel
+
+    _need_sm90(tvm)
+    pytest.importorskip("transformers")
+    mod, params, module, example = wl.bert_encoder(layers=2, hidden=256, heads=4, batch=4, seq=64, dtype="float16")
+    x = torch.randn_like(example)
+    with torch.no_grad():
+        ref = module(x).cuda()
+    args = [x.cuda()] + [torch.from_numpy(p).cuda() for p in params]
+    (out,), kernels = _run_on_gpu(mod, args, hopper=True, hopper_elementwise=True)
+    assert len([k for k in kernels if k.startswith("comfuse_wgmma_ew_")]) == 2
+    assert (out - ref).abs().max().item() <= 5e-2
+
+
 #: Seeds whose case the first H200 fuzz run (200 cases, notebooks/results/fuzz-gpu-h200-2026-12-02.json)
 #: found wrong on the GPU. Three wrote rows of neighbouring thread blocks (3-D rows read through
 #: ``r -> (r // S, r % S)``): the rule now rejects such schedules and DLight takes them. The
@@ -285,6 +302,60 @@ def test_gpu_wgmma_postnorm_matches_torch(M, N, K, dtype, norm, cfg, stage):
     f = torch.nn.functional
     ref = f.layer_norm(y, (N,), g.float(), be.float()) if norm == "layer_norm" else f.rms_norm(y, (N,), g.float(), 1e-5)
     assert (out.float() - ref).abs().max().item() <= TOL[dtype]
+
+
+def _chain_reference(spec, x, w, operands):
+    """``spec``'s chain on ``x @ w.T`` in PyTorch, each step rounded to its dtype (on the GPU: the
+    NumPy model's GELU is slow at BERT's sizes)."""
+    f = torch.nn.functional
+    acts = {"gelu": f.gelu, "gelu_tanh": lambda v: f.gelu(v, approximate="tanh"), "relu": torch.relu, "silu": f.silu}
+    v = x.float().reshape(-1, x.shape[-1]) @ w.float().T
+    for step in spec.steps:
+        if step.op == "add":
+            v = v + operands[step.operand].float().reshape(-1, v.shape[1])
+        elif step.op in acts:
+            v = acts[step.op](v)
+        v = v.to(getattr(torch, step.dtype)).float()
+    return v
+
+
+@pytest.mark.parametrize("M, N, K, dtype, chain, cfg, lead", [
+    (4096, 3072, 768, "float16", "ffn1", None, (32, 128)),  # BERT-base's FFN1 on the default 128 x 256 tiles
+    (4096, 768, 768, "float16", "projection", None, None),  # its Q/K/V projections: 128 x 192, fp32 out
+    (1024, 512, 256, "bfloat16", "silu_residual", None, None),
+    (256, 256, 128, "float16", "relu", (64, 128, 2, 32, 1), None),
+    (1024, 1024, 1024, "float16", "gelu_tanh", (256, 128, 4, 64, 1), None),
+    (512, 512, 512, "float16", "silu_residual", (128, 256, 3, 64, 2), (4, 128)),  # two column warpgroups
+])
+def test_gpu_wgmma_elementwise_matches_torch(M, N, K, dtype, chain, cfg, lead):
+    """The GEMM + elementwise kernel (written on CPU in session 14) against PyTorch: BERT's chains
+    (fp32 bias, GELU, fp16 or fp32 out), activations with a residual tile, bf16, other tiles."""
+    import tvm  # pylint: disable=import-outside-toplevel
+
+    from tvm_comfuse.schedule import wgmma_elementwise as we, wgmma_mainloop as wm  # pylint: disable=import-outside-toplevel
+    from tvm_comfuse.schedule.chain import Step  # pylint: disable=import-outside-toplevel
+
+    _need_sm90(tvm)
+    act = {"ffn1": "gelu", "silu_residual": "silu"}.get(chain, chain)
+    if chain in ("ffn1", "projection"):
+        steps = (Step("cast", dtype), Step("cast", "float32"), Step("add", "float32", 0))
+        steps += (Step("gelu", "float32"), Step("cast", dtype)) if chain == "ffn1" else ()
+        spec = we.Elementwise(dtype, steps, (("float32", False),), dtype if chain == "ffn1" else "float32")
+    else:
+        steps = (Step("cast", "float32"), Step("add", "float32", 0), Step(act, dtype))
+        steps += (Step("add", dtype, 1),) if chain == "silu_residual" else ()
+        spec = we.Elementwise(dtype, steps, (("float32", False),) + (((dtype, True),) if chain == "silu_residual" else ()), dtype)
+    tdt = getattr(torch, dtype)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(*(lead or (M,)), K, device="cuda", dtype=tdt, generator=gen)
+    w = torch.randn(N, K, device="cuda", dtype=tdt, generator=gen) / K**0.5
+    operands = [torch.randn(N, device="cuda", generator=gen)]
+    operands += [torch.randn(*(lead or (M,)), N, device="cuda", dtype=tdt, generator=gen)] if chain == "silu_residual" else []
+    out = torch.full((*(lead or (M,)), N), float("nan"), device="cuda", dtype=getattr(torch, spec.out_dtype))
+    kernel = wm.build(we.wgmma_elementwise(M, N, K, spec, cfg and wm.WgmmaConfig(*cfg), lead=lead))["main"]
+    kernel(*[tvm.runtime.from_dlpack(t) for t in (x, w, *operands, out)])
+    ref = _chain_reference(spec, x, w, operands)
+    assert (out.float().reshape(M, N) - ref).abs().max().item() <= TOL[dtype]
 
 
 @pytest.mark.parametrize("M, K, N, dtype, norm, batch", [

@@ -22,7 +22,7 @@ from tvm.s_tir import meta_schedule as ms
 from .errors import ComFuseError
 from .schedule import GemmRowTile
 from .target import is_gpu, parse_target
-from .transform import AnnotateFusedBlocks, FuseComputeMemory, OffloadHopperPostNorm
+from .transform import AnnotateFusedBlocks, FuseComputeMemory, OffloadHopperElementwise, OffloadHopperPostNorm
 from .transform.fuse_compute_memory import KIND_ATTR
 from .transform.offload_hopper import uses_hopper
 
@@ -112,12 +112,15 @@ def vanilla_fusion_passes():
     ]
 
 
-def fusion_passes(target=None, hopper: bool | None = None, database=None, build=None):
+def fusion_passes(target=None, hopper: bool | None = None, database=None, build=None, hopper_elementwise: bool = False):
     """FuseComputeMemory (and, with ``hopper``, the wgmma kernels for the post-norm groups they
-    take, configured from ``database`` where it has their records; ``None``: on sm_90 targets),
-    then the vanilla legalisation and fusion of the rest, then the annotation of the fused
-    PrimFuncs: everything up to scheduling. ``build``: as :class:`OffloadHopperPostNorm`'s."""
+    take, configured from ``database`` where it has their records; ``None``: on sm_90 targets;
+    with ``hopper_elementwise`` too, those for the GEMM + elementwise groups), then the vanilla
+    legalisation and fusion of the rest, then the annotation of the fused PrimFuncs: everything
+    up to scheduling. ``build``: as :class:`OffloadHopperPostNorm`'s."""
     offload = [OffloadHopperPostNorm(target, build, database)] if target is not None and uses_hopper(target, hopper) else []
+    if offload and hopper_elementwise:
+        offload.append(OffloadHopperElementwise(target, build))
     return [FuseComputeMemory(target=target, hopper=bool(offload)), *offload, *vanilla_fusion_passes(), AnnotateFusedBlocks()]
 
 
@@ -206,7 +209,7 @@ def _backend(target: tvm.target.Target):
     return importlib.import_module(f"tvm.relax.backend.{name}.pipeline")
 
 
-def get_pipeline(target, database=None, hopper: bool | None = None) -> tvm.transform.Pass:
+def get_pipeline(target, database=None, hopper: bool | None = None, hopper_elementwise: bool = False) -> tvm.transform.Pass:
     """The Relax pipeline for ``tvm.compile(mod, target, relax_pipeline=get_pipeline(target))``.
 
     Parameters
@@ -226,6 +229,10 @@ def get_pipeline(target, database=None, hopper: bool | None = None) -> tvm.trans
         targets, where it measured faster than the rule on every suite shape (H200, session 8:
         1.02-2.7x, and 5.5x over vanilla TVM at 8192x4096x4096, which the rule cannot fuse);
         ``False`` keeps the portable mma.sync rule.
+    hopper_elementwise : bool, optional
+        With ``hopper``, also run the GEMM + elementwise groups (``gelu(x @ w.T + b)``, ``x @ w.T
+        + b``) the Hopper kernel takes as that kernel (:mod:`tvm_comfuse.transform.offload_hopper_elementwise`).
+        Off by default until it has run on a GPU.
     """
     from .tune.logs import read_meta  # pylint: disable=import-outside-toplevel  (tune imports us)
     from .tune.representative import counterparts  # pylint: disable=import-outside-toplevel
@@ -244,7 +251,7 @@ def get_pipeline(target, database=None, hopper: bool | None = None) -> tvm.trans
             static = counterparts(mod, target, bind) if bind and is_gpu(target) else {}
             seq = tvm.transform.Sequential(
                 backend.library_dispatch_passes(target)
-                + fusion_passes(target, hopper, database)
+                + fusion_passes(target, hopper, database, hopper_elementwise=hopper_elementwise)
                 + schedule_passes(target, database, static)
                 + backend.dataflow_lower_passes(target)
                 + backend.finalize_passes(target)

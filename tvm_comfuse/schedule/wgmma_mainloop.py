@@ -393,61 +393,12 @@ def fragment(tx, i):
 
 def wgmma_gemm(m: int, n: int, k: int, dtype: str = "float16", cfg: WgmmaConfig = WgmmaConfig()):
     """``C[m, n] = A[m, k] @ B[n, k].T`` (PyTorch's linear layout), fp32 accumulation, C in
-    ``dtype``; a tirx PrimFunc for sm_90a. Static shapes, multiples of the tile."""
+    ``dtype``; a tirx PrimFunc for sm_90a. Static shapes, multiples of the tile. The GEMM +
+    elementwise kernel with an empty chain (:mod:`.wgmma_elementwise`)."""
+    from .wgmma_elementwise import Elementwise, wgmma_elementwise  # pylint: disable=import-outside-toplevel  (it imports us)
+
     cfg.check(m, n, k, dtype)
-    if cfg.pingpong or cfg.resident:
-        raise ComFuseError(f"wgmma GEMM cannot use {cfg}: ping-pong groups and a resident B are the post-norm kernel's "
-                           "(one tile a CTA here)")
-    bm, bn, acc_n = cfg.bm, cfg.bn, cfg.wg_cols // 2
-    produce, consume = mainloop(cfg, k, dtype)
-    init = Ring(cfg.stages, cfg.consumers).init()
-    producer, consumer = roles(cfg)
-    encode_a, encode_b = tensor_map(m, k, box_rows(bm), cfg.bk, dtype), tensor_map(n, k, box_rows(bn), cfg.bk, dtype)
-
-    # pylint: disable=invalid-name,unused-variable
-    @T.prim_func
-    def gemm(a: T.handle, b: T.handle, c: T.handle):
-        A = T.match_buffer(a, (m, k), dtype, align=16)
-        B = T.match_buffer(b, (n, k), dtype, align=16)
-        C = T.match_buffer(c, (m, n), dtype, align=16)
-        A_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
-        B_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
-        encode_a(A_map, A.data)
-        encode_b(B_map, B.data)
-        T.device_entry()
-        if cfg.ctas_per_sm > 1:  # __launch_bounds__(threads, ctas_per_sm)
-            T.attr({"tirx.launch_bounds_min_blocks_per_sm": cfg.ctas_per_sm})
-        bx, by = T.cta_id([m // bm, n // bn])
-        if cfg.producer_warps > 0:  # producer warps after the consumers: role 0 all the same, its threads 0, 1, ...
-            warp = T.warp_id([cfg.threads // 32])
-            lane = T.lane_id([32])
-            wg = T.meta_var((warp // 4 + 1) % (cfg.consumers + 1))
-            tw = T.meta_var(warp % 4 * 32 + lane)
-        else:
-            wg = T.warpgroup_id([cfg.consumers + 1])
-            tw = T.thread_id_in_wg([128])
-        # one dynamic buffer (tirx allows one): per slot, the A tile's bm rows, then B's bn
-        S = T.alloc_shared([cfg.stages, bm + bn, cfg.bk], dtype, scope="shared.dyn", align=1024)
-        full = T.alloc_shared([cfg.stages], "uint64", scope="shared", align=8)
-        empty = T.alloc_shared([cfg.stages], "uint64", scope="shared", align=8)
-        acc = T.alloc_local([acc_n], "float32")
-        da = T.alloc_local([1], "uint64")
-        db = T.alloc_local([1], "uint64")
-        init(full, empty, wg * 128 + tw)
-        if wg == 0:
-            producer()
-            if tw == 0:
-                produce(A_map, B_map, S, S, full, empty, bx * bm, by * bn, 0)
-        else:
-            consumer()
-            consume(S, S, full, empty, acc, da, db, wg - 1, tw, 0)
-            for q in T.unroll(acc_n // 2):  # accumulators 2q, 2q + 1: one row's adjacent columns
-                for j in T.vectorized(2):
-                    row, col = T.meta_var(fragment(tw, 2 * q + j))
-                    C[bx * bm + (wg - 1) // cfg.wg_n * 64 + row, by * bn + (wg - 1) % cfg.wg_n * cfg.wg_cols + col] = T.cast(
-                        acc[2 * q + j], dtype)
-
-    return gemm
+    return wgmma_elementwise(m, n, k, Elementwise(dtype, (), (), dtype), cfg)
 
 
 def build(func, arch: str = "sm_90a", host=None, symbol: str | None = None):

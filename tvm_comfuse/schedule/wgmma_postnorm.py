@@ -50,6 +50,7 @@ import tvm.script
 from tvm.script import tirx as T
 
 from ..errors import ComFuseError
+from .chain import Step, chain_value, np_chain, np_dtype
 from .wgmma_mainloop import (TMA_LOAD, Ring, WgmmaConfig, box_rows, consumer_sync, fragment, load_resident, mainloop, roles,
                              tensor_map)
 
@@ -86,17 +87,6 @@ SMEM_TOTAL = 227 * 1024
 #: Columns of one staged box: a 128-byte swizzled row of 2-byte elements (TMA's widest swizzle).
 BOX_COLS = 64
 TMA_STORE = "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group"
-
-
-@dataclass(frozen=True)
-class Step:
-    """One elementwise op between the GEMM and the norm, applied to the running value: ``cast``
-    to ``dtype``, or ``add`` operand ``operand`` (0 or 1) with the result in ``dtype``. The value
-    stays fp32 in registers and is rounded to ``dtype`` after each step, as the graph computes."""
-
-    op: str
-    dtype: str
-    operand: int | None = None
 
 
 @dataclass(frozen=True)
@@ -143,19 +133,10 @@ def reference(spec: PostNorm, x, w, p0, p1, gamma, beta=None) -> list:
     """NumPy model of what the kernel computes for ``spec``: fp32 accumulation, each chain step
     rounded to its dtype, the norm in fp32; ``[out]`` (``[out, norm]`` with ``norm_out``). The
     oracle of the offload's CPU tests, which run it in the kernel's place."""
-    import ml_dtypes  # pylint: disable=import-outside-toplevel
     import numpy as np  # pylint: disable=import-outside-toplevel
 
-    def np_dtype(d):
-        return ml_dtypes.bfloat16 if d == "bfloat16" else np.dtype(d)
-
     f32 = lambda a: np.asarray(a).astype(np.float32)  # noqa: E731
-    v = f32(x).reshape(-1, x.shape[-1]) @ f32(w).T
-    ops = (f32(p0).reshape(-1, v.shape[1]) if p0.ndim > 1 else f32(p0), f32(p1).reshape(-1, v.shape[1]) if p1.ndim > 1 else f32(p1))
-    for step in spec.steps:
-        if step.op == "add":
-            v = v + ops[step.operand]
-        v = v.astype(np_dtype(step.dtype)).astype(np.float32)
+    v = np_chain(f32(x).reshape(-1, x.shape[-1]) @ f32(w).T, spec.steps, (f32(p0), f32(p1)))
     if spec.norm == "layer_norm":
         mean = v.mean(-1, keepdims=True)
         y = (v - mean) / np.sqrt(((v - mean) ** 2).mean(-1, keepdims=True) + spec.eps) * f32(gamma) + f32(beta)
@@ -425,27 +406,15 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
     def chain(v, p0, p1, R, row, col, lrow, lcol, slot):
         """The elementwise chain on fp32 value ``v`` at global ``(row, col)``, local ``(lrow,
         lcol)`` in the CTA's tile (plain Python, run while the kernel is parsed: one expression
-        per accumulator); staged operands are read from their region of ``R``'s set ``slot``.
+        per accumulator: :func:`~.chain.chain_value`); staged operands are read from their region of
+        ``R``'s set ``slot``."""
 
-        An add whose value is already rounded to the step's 16-bit dtype, of an operand in that
-        dtype, is one 16-bit add: IEEE addition rounded once to 11 (or 8) bits equals the fp32 sum
-        rounded again (fp32's 24 bits are at least twice as many plus two: double rounding is
-        innocuous), so it is the graph's value, in one instruction instead of an unpack, an fp32
-        add and a repack per element (session 11: the epilogue's instructions bound the kernel)."""
-        cur = "float32"  # the dtype v is held in
-        for step in spec.steps:
-            if step.op == "add":
-                j = step.operand
-                buf, tile = (p0, p1)[j], spec.operands[j][1]
-                val = (R[(slot * regions + region[j], *swizzled(lrow, lcol))] if j in region else buf[row, col] if tile
-                       else buf[lcol] if params else buf[col])
-                if cur == step.dtype == spec.operands[j][0] != "float32":
-                    v = v + val
-                    continue
-                v = (v if cur == "float32" else T.cast(v, "float32")) + T.cast(val, "float32")
-                cur = "float32"
-            if step.dtype != cur:
-                v, cur = T.cast(v if cur == "float32" else T.cast(v, "float32"), step.dtype), step.dtype
+        def read(j):
+            buf, tile = (p0, p1)[j], spec.operands[j][1]
+            return (R[(slot * regions + region[j], *swizzled(lrow, lcol))] if j in region else buf[row, col] if tile
+                    else buf[lcol] if params else buf[col])
+
+        v, cur = chain_value(v, spec.steps, [d for d, _ in spec.operands], read)
         return v if cur == "float32" else T.cast(v, "float32")
 
     def square(v):  # what the first pass sums: the value (LayerNorm's mean), or its square (RMSNorm's)

@@ -50,6 +50,95 @@ def _sinfo(expr):
     return shape, str(ty.dtype)
 
 
+class GroupBody:
+    """The one dataflow block of an outlined group function, read backwards from its outputs:
+    which bindings a match used (a binding it does not account for makes the match fail: not
+    ours to drop), and the chain of elementwise steps back to the GEMM."""
+
+    def __init__(self, func: relax.Function):
+        body = func.body
+        single = isinstance(body, relax.SeqExpr) and len(body.blocks) == 1
+        self.var2val = {b.var: b.value for b in body.blocks[0].bindings} if single else None
+        self.outs = (list(body.body.fields) if isinstance(body.body, relax.Tuple) else [body.body]) if single else []
+        self.params = {p: i for i, p in enumerate(func.params)}
+        self.used = set()
+
+    def value(self, var):
+        """The operator call bound to ``var`` (marking it used), or None."""
+        self.used.add(var)
+        val = self.var2val.get(var)
+        return val if isinstance(val, relax.Call) and ops.op_name(val) else None
+
+    def param(self, var):
+        """``var`` if it is a parameter, possibly through a cast, else None."""
+        if var in self.params:
+            return var
+        val = self.value(var)
+        return val.args[0] if val is not None and ops.op_name(val) == "relax.astype" and val.args[0] in self.params else None
+
+    def all_used(self) -> bool:
+        return self.used == set(self.var2val)
+
+    def chain_to_gemm(self, cur, activations=()):
+        """Walk back from ``cur`` to ``matmul(x, permute_dims(w))``: ``(chain, x, w, the matmul's
+        dtype)`` with ``chain`` the steps from the GEMM on, each ``(op, dtype, operand var)``
+        (casts, adds of a parameter, and the ``relax.nn`` ``activations``), or None."""
+        chain = []
+        while True:
+            val = self.value(cur)
+            name = ops.op_name(val) if val is not None else None
+            if name == "relax.astype":
+                chain.append(("cast", str(val.attrs.dtype), None))
+                cur = val.args[0]
+            elif name == "relax.add":
+                a, b = val.args
+                if a in self.params:
+                    a, b = b, a
+                if b not in self.params or a in self.params:
+                    return None
+                chain.append(("add", _sinfo(val)[1], b))
+                cur = a
+            elif name is not None and name.startswith("relax.nn.") and name[len("relax.nn."):] in activations:
+                chain.append((name[len("relax.nn."):], _sinfo(val)[1], None))
+                cur = val.args[0]
+            elif name == ops.GEMM:
+                x, wt = val.args
+                tr = self.value(wt) if x in self.params else None
+                if tr is None or ops.op_name(tr) != ops.TRANSPOSE or tr.args[0] not in self.params:
+                    return None
+                if tr.attrs.axes is not None and [int(a) for a in tr.attrs.axes] != [1, 0]:
+                    return None
+                return list(reversed(chain)), x, tr.args[0], _sinfo(val)[1]
+            else:
+                return None
+
+    def linear(self, found, out_shape):
+        """For :meth:`chain_to_gemm`'s result: ``(steps, operands, roles, (M, N, K))`` in the
+        kernels' terms (:class:`~tvm_comfuse.schedule.chain.Step` s; each added operand's
+        ``(dtype, is_tile)``; the parameter indices of ``x, w`` and the operands), or None where
+        the shapes are not static, W is not the 2-D ``[N, K]`` of x's dtype, or an operand is
+        neither ``[N]`` nor the output's shape."""
+        from ..schedule.chain import Step  # pylint: disable=import-outside-toplevel
+
+        chain, x, w, mm_dtype = found
+        (x_shape, dtype), (w_shape, w_dtype) = _sinfo(x), _sinfo(w)
+        if None in (x_shape, w_shape) or len(w_shape) != 2 or w_dtype != dtype or x_shape[-1] != w_shape[1]:
+            return None
+        n, k = w_shape
+        steps, operands, roles = [], [], [self.params[x], self.params[w]]
+        if mm_dtype != "float32":
+            steps.append(Step("cast", mm_dtype))
+        for op, step_dtype, operand in chain:
+            if op == "add":
+                shape, op_dtype = _sinfo(operand)
+                if shape not in ([n], out_shape):
+                    return None
+                operands.append((op_dtype, shape != [n]))
+                roles.append(self.params[operand])
+            steps.append(Step(op, step_dtype, len(operands) - 1 if op == "add" else None))
+        return tuple(steps), tuple(operands), roles, (math.prod(x_shape[:-1]), n, k)
+
+
 def match_postnorm(func: relax.Function):
     """``(spec, roles, (M, N, K), out_shape, order)`` for a post-norm function, or None.
 
@@ -57,13 +146,12 @@ def match_postnorm(func: relax.Function):
     0, operand 1, gamma[, beta]``; ``out_shape`` is ``[*rows, N]`` (rows ``(M,)`` or ``(B, S)``);
     ``order`` names the function's outputs: ``("out",)``, or with the norm's float32 result
     also returned, ``("out", "norm")`` or ``("norm", "out")``."""
-    from ..schedule.wgmma_postnorm import PostNorm, Step  # pylint: disable=import-outside-toplevel
+    from ..schedule.wgmma_postnorm import PostNorm  # pylint: disable=import-outside-toplevel
 
-    body = func.body
-    if not isinstance(body, relax.SeqExpr) or len(body.blocks) != 1:
+    body = GroupBody(func)
+    if body.var2val is None:
         return None
-    var2val = {b.var: b.value for b in body.blocks[0].bindings}
-    outs = list(body.body.fields) if isinstance(body.body, relax.Tuple) else [body.body]
+    var2val, outs = body.var2val, body.outs
     if not all(isinstance(v, relax.Var) and v in var2val for v in outs) or len(outs) > 2:
         return None
     order = ("out",)
@@ -73,86 +161,35 @@ def match_postnorm(func: relax.Function):
             return None
         order = ("out", "norm") if casts[0] == 0 else ("norm", "out")
         outs = [outs[casts[0]]]
-    params = {p: i for i, p in enumerate(func.params)}
-    used = set()
-
-    def value(var):
-        used.add(var)
-        val = var2val.get(var)
-        return val if isinstance(val, relax.Call) and ops.op_name(val) else None
-
-    def param(var):  # a parameter, possibly through a cast
-        if var in params:
-            return var
-        val = value(var)
-        return val.args[0] if val is not None and ops.op_name(val) == "relax.astype" and val.args[0] in params else None
-
     out_shape, out_dtype = _sinfo(outs[0])
-    call = value(outs[0])
+    call = body.value(outs[0])
     if call is not None and ops.op_name(call) == "relax.astype":
-        call = value(call.args[0])
+        call = body.value(call.args[0])
     if call is None or ops.op_name(call) not in _NORMS or out_shape is None:
         return None
     norm = _NORMS[ops.op_name(call)]
     if not ops.reduces_last_axis(call) or (norm == "layer_norm" and not (call.attrs.center and call.attrs.scale)):
         return None
-    gamma, beta = param(call.args[1]), param(call.args[2]) if norm == "layer_norm" else None
+    gamma, beta = body.param(call.args[1]), body.param(call.args[2]) if norm == "layer_norm" else None
     if gamma is None or (norm == "layer_norm" and beta is None):
         return None
-    chain, cur = [], call.args[0]
-    if _sinfo(cur)[1] != "float32":
+    if _sinfo(call.args[0])[1] != "float32":
         return None
-    while True:  # walk back from the norm's input to the GEMM
-        val = value(cur)
-        name = ops.op_name(val) if val is not None else None
-        if name == "relax.astype":
-            chain.append(("cast", str(val.attrs.dtype), None))
-            cur = val.args[0]
-        elif name == "relax.add":
-            a, b = val.args
-            if a in params:
-                a, b = b, a
-            if b not in params or a in params:
-                return None
-            chain.append(("add", _sinfo(val)[1], b))
-            cur = a
-        elif name == ops.GEMM:
-            x, wt = val.args
-            tr = value(wt) if x in params else None
-            if tr is None or ops.op_name(tr) != ops.TRANSPOSE or tr.args[0] not in params:
-                return None
-            if tr.attrs.axes is not None and [int(a) for a in tr.attrs.axes] != [1, 0]:
-                return None
-            w, mm_dtype = tr.args[0], _sinfo(val)[1]
-            break
-        else:
-            return None
-    if used != set(var2val):  # a binding the chain does not account for: not ours to drop
+    found = body.chain_to_gemm(call.args[0])
+    if found is None or not body.all_used():
         return None
-    (x_shape, dtype), (w_shape, w_dtype) = _sinfo(x), _sinfo(w)
-    if None in (x_shape, w_shape) or len(w_shape) != 2 or w_dtype != dtype or x_shape[-1] != w_shape[1]:
+    linear = body.linear(found, out_shape)
+    if linear is None:
         return None
-    n, k = w_shape
-    m = math.prod(x_shape[:-1])
-    steps, operands, roles = [], [], [params[x], params[w]]
-    if mm_dtype != "float32":
-        steps.append(Step("cast", mm_dtype))
-    for op, step_dtype, operand in reversed(chain):
-        if op == "add":
-            shape, op_dtype = _sinfo(operand)
-            if shape not in ([n], out_shape):
-                return None
-            operands.append((op_dtype, shape != [n]))
-            roles.append(params[operand])
-        steps.append(Step(op, step_dtype, len(operands) - 1 if op == "add" else None))
+    steps, operands, roles, mnk = linear
     (_, g_dtype), b_dtype = _sinfo(gamma), _sinfo(beta)[1] if beta is not None else None
     if beta is not None and b_dtype != g_dtype:
         return None
-    roles += [params[gamma]] + ([params[beta]] if beta is not None else [])
+    roles += [body.params[gamma]] + ([body.params[beta]] if beta is not None else [])
     if len(order) == 2 and _sinfo(call)[1] != "float32":
         return None
-    spec = PostNorm(dtype, tuple(steps), tuple(operands), norm, float(call.attrs.epsilon), g_dtype, out_dtype, len(order) == 2)
-    return spec, roles, (m, n, k), out_shape, order
+    spec = PostNorm(_sinfo(found[1])[1], steps, operands, norm, float(call.attrs.epsilon), g_dtype, out_dtype, len(order) == 2)
+    return spec, roles, mnk, out_shape, order
 
 
 def is_hopper(target: tvm.target.Target) -> bool:
@@ -194,7 +231,8 @@ def taken_groups(mod: tvm.IRModule):
         yield gv, func, found
 
 
-def _build(prim_func, symbol: str, target: tvm.target.Target):
+def build_kernel(prim_func, symbol: str, target: tvm.target.Target):
+    """Compile a Hopper kernel's tirx PrimFunc for sm_90a, exported as ``symbol``: the module to link."""
     from ..schedule.wgmma_mainloop import build  # pylint: disable=import-outside-toplevel
 
     return build(prim_func, host=target.host or tvm.target.Target("llvm"), symbol=symbol).mod
@@ -255,7 +293,7 @@ class OffloadHopperPostNorm:  # pylint: disable=too-few-public-methods
 
         if self.build is None and not is_hopper(self.target):
             return mod
-        build = self.build or (lambda func, symbol, _spec, _mnk: _build(func, symbol, self.target))
+        build = self.build or (lambda func, symbol, _spec, _mnk: build_kernel(func, symbol, self.target))
         offloads, built, symbols, tuned = {}, [], {}, 0
         for gv, func, found in taken_groups(mod):
             spec, roles, mnk, out_shape, order = found
@@ -270,18 +308,26 @@ class OffloadHopperPostNorm:  # pylint: disable=too-few-public-methods
             offloads[gv.name_hint] = (symbols[key], roles, out_shape, spec.out_dtype, order)
         if not offloads:
             return mod
-        rewriter = _CallRewriter(mod, offloads)
-        for gv, func in mod.functions_items():
-            if isinstance(func, relax.Function) and gv.name_hint not in offloads:
-                rewriter.builder_.update_func(gv, rewriter.visit_expr(func))
-        out = rewriter.builder_.get()
-        out = tvm.IRModule({gv: f for gv, f in out.functions_items() if gv.name_hint not in offloads}, attrs=out.attrs)
         LOG.info("ComFuse: %d post-norm group(s) run as %d wgmma kernel(s)", len(offloads), len(symbols))
         if self.database is not None:
             (LOG.warning if tuned < len(offloads) else LOG.info)(
                 "ComFuse: %d of %d wgmma post-norm groups use tuned configurations, %d the untuned defaults",
                 tuned, len(offloads), len(offloads) - tuned)
-        if not built:
-            return out
-        existing = list(out.attrs[EXTERNAL_MODS]) if out.attrs and EXTERNAL_MODS in out.attrs else []
-        return out.with_attr(EXTERNAL_MODS, existing + built)
+        return replace_calls(mod, offloads, built)
+
+
+def replace_calls(mod: tvm.IRModule, offloads: dict, built: list) -> tvm.IRModule:
+    """``mod`` with every call of an outlined group in ``offloads`` (its name -> ``(symbol,
+    roles, out_shape, out_dtype, order)``) made an ``R.call_dps_packed`` of the kernel
+    ``symbol``, the group functions dropped, and the ``built`` modules linked through the
+    module's ``external_mods`` (TVM's BYOC path)."""
+    rewriter = _CallRewriter(mod, offloads)
+    for gv, func in mod.functions_items():
+        if isinstance(func, relax.Function) and gv.name_hint not in offloads:
+            rewriter.builder_.update_func(gv, rewriter.visit_expr(func))
+    out = rewriter.builder_.get()
+    out = tvm.IRModule({gv: f for gv, f in out.functions_items() if gv.name_hint not in offloads}, attrs=out.attrs)
+    if not built:
+        return out
+    existing = list(out.attrs[EXTERNAL_MODS]) if out.attrs and EXTERNAL_MODS in out.attrs else []
+    return out.with_attr(EXTERNAL_MODS, existing + built)

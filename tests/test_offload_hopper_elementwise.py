@@ -1,0 +1,188 @@
+"""OffloadHopperElementwise on CPU: which GEMM + elementwise groups it takes, that the rewritten
+graph computes the same values (the kernel's NumPy model in its place, on llvm), and that on
+sm_90a the groups become wgmma kernels nvcc compiles without spills or accumulator hazards."""
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+import tvm
+from tvm import relax
+
+import tvm_comfuse as cf
+from tvm_comfuse import codegen, runtime
+from tvm_comfuse import workloads as wl
+from tvm_comfuse.schedule import wgmma_elementwise as we
+from tvm_comfuse.schedule import wgmma_mainloop as wm
+from tvm_comfuse.schedule import wgmma_postnorm as wp
+from tvm_comfuse.schedule.chain import ACTIVATIONS, Step
+from tvm_comfuse.transform import FuseComputeMemory, OffloadHopperElementwise, OffloadHopperPostNorm
+from tvm_comfuse.transform.offload_hopper_elementwise import match_elementwise
+
+SM90A = {"kind": "cuda", "arch": "sm_90a"}
+#: BERT's FFN1 as the importer and ToMixedPrecision leave it: fp16 GEMM rounded, an fp32 bias,
+#: GELU in fp32, cast back.
+FFN1 = we.Elementwise("float16", (Step("cast", "float16"), Step("cast", "float32"), Step("add", "float32", 0),
+                                  Step("gelu", "float32"), Step("cast", "float16")), (("float32", False),), "float16")
+
+
+def _bert(hidden=128):
+    mod, _params, _module, _example = wl.bert_encoder(layers=1, hidden=hidden, heads=2, batch=2, seq=32, dtype="float16")
+    return mod
+
+
+def _outlined(mod, kind="gemm_elementwise"):
+    with tvm.target.Target("llvm"):
+        out = FuseComputeMemory(target="llvm")(mod)
+    return out, [f for gv, f in out.functions_items() if gv.name_hint != "main" and kind in str(f.attrs)]
+
+
+def _numpy_kernels(calls):
+    """A ``build`` for both passes that registers the kernel's NumPy model under its symbol."""
+
+    def build(_func, symbol, spec, _mnk):
+        def run(*args):
+            ins = [a.numpy() for a in args[:-1 - getattr(spec, "norm_out", False)]]
+            outs = wp.reference(spec, *ins) if isinstance(spec, wp.PostNorm) else [we.reference(spec, *ins)]
+            for t, value in zip(args[len(ins):], outs):
+                t.copyfrom(value)
+            calls.append(symbol)
+
+        tvm.register_global_func(symbol, run, override=True)
+        return None
+
+    return build
+
+
+def _random(params, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for p in params:
+        shape, dtype = [int(d) for d in p.ty.shape.values], str(p.ty.dtype)
+        scale = 1 / np.sqrt(shape[-1]) if len(shape) == 2 else 1.0
+        out.append((rng.standard_normal(shape) * scale).astype(dtype))
+    return out
+
+
+def _run_llvm(mod, arrays):
+    vm = relax.VirtualMachine(tvm.compile(mod, target="llvm"), tvm.cpu())
+    out = vm["main"](*[tvm.runtime.tensor(a) for a in arrays])
+    items = list(out) if isinstance(out, (tvm.ir.Array, list, tuple)) else [out]
+    return [o.numpy().astype(np.float32) for o in items]
+
+
+def test_bert_projections_and_ffn1_are_read_as_their_chains():
+    """An imported BERT layer's GEMM + elementwise groups: Q, K and V (``x @ w.T + b``, fp32
+    bias and output) and FFN1 (GELU, fp16 output), each with the parameter order the kernel
+    takes (x, w, bias)."""
+    _, groups = _outlined(_bert())
+    found = [match_elementwise(f) for f in groups]
+    assert len(found) == 4 and all(found)
+    specs = sorted((m[0] for m in found), key=lambda s: len(s.steps))
+    assert [s.out_dtype for s in specs] == ["float32"] * 3 + ["float16"]
+    assert specs[-1] == FFN1 and {m[2] for m in found} == {(64, 128, 128), (64, 512, 128)}
+    for func, (_spec, roles, _mnk, out_shape) in zip(groups, found):
+        params = func.params
+        assert [len(params[i].ty.shape) for i in roles] == [3, 2, 1] and out_shape[:2] == [2, 32]
+
+
+def test_offloaded_bert_layer_computes_what_the_graph_does():
+    """Both passes on an imported BERT layer: every GEMM chain but the attention's is one kernel
+    call (Q, K and V share one kernel), and the encoder's output matches vanilla TVM's with the
+    kernels' NumPy models in their place."""
+    mod = _bert()
+    arrays = _random(mod["main"].params)
+    grouped, _ = _outlined(mod)
+    calls = []
+    build = _numpy_kernels(calls)
+    offloaded = OffloadHopperElementwise("llvm", build=build)(OffloadHopperPostNorm("llvm", build=build)(grouped))
+    assert not [gv for gv, f in offloaded.functions_items() if isinstance(f, relax.Function) and "gemm_elementwise" in str(f.attrs)]
+    got, want = _run_llvm(offloaded, arrays), _run_llvm(mod, arrays)
+    ew = [c for c in calls if "_ew_" in c]
+    assert len(ew) == 4 and len(set(ew)) == 2 and len(calls) == 6
+    assert len(got) == len(want) and all(np.abs(g - w).max() <= 5e-2 for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("act", ACTIVATIONS)
+def test_the_kernels_model_applies_activations_as_pytorch(act):
+    """The NumPy model (the oracle of the tests above) against PyTorch's activations in fp32,
+    with a residual tile added after the activation in fp16."""
+    spec = we.Elementwise("float16", (Step("cast", "float32"), Step("add", "float32", 0), Step(act, "float32"),
+                                      Step("add", "float16", 1)), (("float32", False), ("float16", True)), "float16")
+    rng = np.random.default_rng(1)
+    x, w = rng.standard_normal((64, 32)).astype("float16"), (rng.standard_normal((48, 32)) / 6).astype("float16")
+    b, r = rng.standard_normal(48).astype("float32"), rng.standard_normal((64, 48)).astype("float16")
+    f = {"gelu": torch.nn.functional.gelu, "gelu_tanh": lambda v: torch.nn.functional.gelu(v, approximate="tanh"),
+         "relu": torch.relu, "silu": torch.nn.functional.silu}[act]
+    y = f(torch.from_numpy(x).float() @ torch.from_numpy(w).float().T + torch.from_numpy(b))
+    want = (y.half() + torch.from_numpy(r)).float().numpy()
+    assert np.abs(we.reference(spec, x, w, b, r).astype(np.float32) - want).max() <= 1e-2
+
+
+@pytest.mark.parametrize("kw", [dict(extra="multiply"), dict(extra="two_outputs")])
+def test_chains_the_kernel_cannot_express_are_left_to_the_rule(kw):
+    """An op outside the chain's vocabulary (a multiply), or a group returning two values: the
+    matcher declines, so the gemm_elementwise rule keeps the group."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((64, 128), "float16"))
+    w = relax.Var("w", relax.TensorType((256, 128), "float16"))
+    b = relax.Var("b", relax.TensorType((256,), "float16"))
+    with bb.function("main", [x, w, b]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.add(relax.op.matmul(x, relax.op.permute_dims(w)), b))
+            z = bb.emit(relax.op.nn.gelu(y))
+            out = bb.emit_output(relax.op.multiply(z, z) if kw["extra"] == "multiply" else relax.Tuple([z, y]))
+        bb.emit_func_output(out)
+    grouped, groups = _outlined(bb.get())
+    assert groups and all(match_elementwise(f) is None for f in groups)
+    assert OffloadHopperElementwise("llvm", build=_numpy_kernels([]))(grouped).same_as(grouped)
+
+
+def test_default_tiles_fill_the_waves():
+    """At M = 4096: N = 768 takes 128 x 192 tiles (128 CTAs, one wave of the 132 SMs; 128 x 256
+    would leave 36 idle), N = 3072 the plain GEMM's fastest 128 x 256; rows no tile divides are
+    declined with the reason."""
+    assert (we.default_config(4096, 768, 768).bm, we.default_config(4096, 768, 768).bn) == (128, 192)
+    assert (we.default_config(4096, 3072, 768).bm, we.default_config(4096, 3072, 768).bn) == (128, 256)
+    assert we.default_config(100, 768, 768) is None
+    assert "no tile" in we.problems(100, 768, 768, FFN1)[0]
+
+
+@pytest.mark.skipif(not codegen.have_nvcc(), reason="nvcc is not installed")
+def test_sm90a_compile_runs_the_groups_as_wgmma_kernels(caplog):
+    """``get_pipeline(..., hopper_elementwise=True)`` on sm_90a: BERT's projections and FFN1
+    become wgmma kernels beside the post-norm ones (linked, nvcc-compiled); without the flag
+    they stay with the rule."""
+    with caplog.at_level(logging.INFO, logger="tvm_comfuse"):
+        ex = runtime.compile_module(_bert(), SM90A, hopper=True, hopper_elementwise=True)
+    names = codegen.kernel_names(codegen.cuda_source(ex))
+    assert len([k for k in names if k.startswith("comfuse_wgmma_ew_")]) == 2
+    assert "4 GEMM + elementwise group(s) run as 2 wgmma kernel(s)" in caplog.text
+    ex = runtime.compile_module(_bert(), SM90A, hopper=True)
+    assert not any(k.startswith("comfuse_wgmma_ew_") for k in codegen.kernel_names(codegen.cuda_source(ex)))
+
+
+@pytest.mark.skipif(not codegen.have_nvcc(), reason="nvcc is not installed")
+@pytest.mark.parametrize("mnk, spec", [((4096, 3072, 768), FFN1),
+                                       ((4096, 768, 768), we.Elementwise("float16", FFN1.steps[:3], FFN1.operands, "float32"))])
+def test_bert_sized_kernels_compile_without_spills_or_hazards(mnk, spec):
+    """BERT-base's FFN1 and projections on their default tiles: ptxas keeps every accumulator in
+    registers (no spills) and no SASS instruction reads an accumulator a wgmma may still write."""
+    if codegen.nvdisasm() is None:
+        pytest.fail("nvdisasm is missing: pip install nvidia-cuda-nvdisasm (the test extra)")
+    source = codegen.cuda_source(wm.build(we.wgmma_elementwise(*mnk, spec, lead=(32, 128))))
+    assert codegen.ptxas_usage(source)["spill"] == 0
+    sass = codegen.sass(codegen.compile_with_nvcc(source, "sm_90a"))
+    assert "HGMMA" in sass and codegen.wgmma_hazards(sass) == []
+
+
+def test_elementwise_offload_is_opt_in():
+    """The pipeline adds the pass only with ``hopper_elementwise=True`` on a target where the
+    post-norm offload runs (sm_90, ``hopper`` not False)."""
+
+    def offloads(target, **kw):
+        return any(isinstance(p, OffloadHopperElementwise) for p in cf.pipeline.fusion_passes(tvm.target.Target(target), **kw))
+
+    assert offloads(SM90A, hopper_elementwise=True) and not offloads(SM90A)
+    assert not offloads(SM90A, hopper=False, hopper_elementwise=True) and not offloads("llvm", hopper_elementwise=True)

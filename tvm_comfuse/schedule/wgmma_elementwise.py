@@ -1,0 +1,172 @@
+"""GEMM + elementwise chain on the Hopper mainloop: ``gemm_elementwise`` groups on sm_90.
+
+Why: in an imported BERT encoder the groups that are not post-norms are a GEMM plus a short
+chain, ``gelu(x @ w.T + b)`` (FFN1) and ``x @ w.T + b`` (the Q, K and V projections). Scheduled
+by the mma.sync rule they took 1226 of ComFuse's 5346 us at BERT-base, batch 32 x 128 (H200,
+session 10: FFN1 alone 102 us a layer, where cuBLAS needs ~27 for the same GEMM), and the
+rule's mainloop tops out near 0.55x of cuBLAS. The wgmma mainloop (:mod:`.wgmma_mainloop`)
+reached 0.77-0.88x as a plain GEMM (session 8). This kernel is that plain GEMM with the
+group's chain applied to each accumulator before its one store: the GEMM's result never
+leaves the registers unfinished, as the rule's epilogue does for the same groups.
+
+The chain is the post-norm kernel's (:class:`~.wgmma_postnorm.Step`: casts and adds of a
+``[N]`` vector or an ``[M, N]`` tile, each rounded to the dtype the graph computes it in), plus
+activations, evaluated in fp32 as TVM legalises them. Tiles are whole CTAs of ``bm / 64``
+consumer warpgroups (``wg_n = 1``, as the plain GEMM measured fastest); :func:`default_config`
+picks the tile that fills the SMs' waves best.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import tvm
+from tvm.script import tirx as T
+
+from ..errors import ComFuseError
+from .chain import ACTIVATIONS, chain_value, np_chain, np_dtype
+from .wgmma_mainloop import Ring, WgmmaConfig, box_rows, fragment, mainloop, roles, tensor_map
+from .wgmma_postnorm import SM_COUNT
+
+#: CTA tiles the default chooses from, with their throughput relative to 128 x 256 as plain
+#: GEMMs at 4096^3 on the H200 (session 8, ``wgmma-gemm-ws.json``: 0.77x cuBLAS for 128 x 256;
+#: 128 x 192 and 64 x 128 not measured there, interpolated).
+TILES = {(128, 256): 1.0, (256, 128): 0.97, (128, 192): 0.97, (128, 128): 0.91, (64, 256): 0.91, (64, 128): 0.85}
+
+
+@dataclass(frozen=True)
+class Elementwise:
+    """The fused group: ``out = chain(x @ w.T)`` in ``out_dtype``; ``operands`` are the added
+    tensors' ``(dtype, is_tile)`` (a tile is ``[M, N]``, else ``[N]``)."""
+
+    dtype: str = "float16"
+    steps: tuple = ()
+    operands: tuple = ()
+    out_dtype: str = "float16"
+
+    def problems(self) -> list:
+        """What the kernel cannot compute of this description (empty if nothing)."""
+        found = []
+        ops = {s.op for s in self.steps} - {"cast", "add", *ACTIVATIONS}
+        if ops:
+            found.append(f"ops {sorted(ops)} in the chain (casts, adds and {', '.join(ACTIVATIONS)})")
+        used = sorted(s.operand for s in self.steps if s.op == "add")
+        if used != list(range(len(self.operands))):
+            found.append(f"added operands {used} (each of the {len(self.operands)} operands once)")
+        return found
+
+
+def reference(spec: Elementwise, x, w, *operands):
+    """NumPy model of what the kernel computes for ``spec`` (fp32 accumulation, each step
+    rounded to its dtype): the oracle of the offload's CPU tests, which run it in the kernel's
+    place."""
+    f32 = lambda a: np.asarray(a).astype(np.float32)  # noqa: E731
+    v = np_chain(f32(x).reshape(-1, x.shape[-1]) @ f32(w).T, spec.steps, [f32(p) for p in operands])
+    return v.reshape(*x.shape[:-1], v.shape[1]).astype(np_dtype(spec.out_dtype))
+
+
+def problems(m: int, n: int, k: int, spec: Elementwise, cfg: WgmmaConfig | None = None) -> list:
+    """What keeps the kernel from computing this group (empty if nothing)."""
+    found = spec.problems()
+    if cfg is None:
+        cfg = default_config(m, n, k, spec.dtype)
+        if cfg is None:
+            return found + [f"M, N, K = {m}, {n}, {k}: no tile of {sorted(TILES)} divides M and N with K a multiple of 32"]
+    if cfg.pingpong or cfg.resident:
+        found.append("ping-pong groups or a resident B (the post-norm kernel's: a CTA loops over row blocks there, one tile a CTA here)")
+    return found + cfg.problems(m, n, k, spec.dtype)
+
+
+def default_config(m: int, n: int, k: int, dtype: str = "float16") -> WgmmaConfig | None:
+    """The tile of :data:`TILES` whose whole waves over the SMs take least time (its waves times
+    its work over its throughput), on the deepest ring (up to 4 stages of 64) that fits; None
+    if no tile divides the problem."""
+    best = None
+    for (bm, bn), rate in TILES.items():
+        for bk in (64, 32):
+            for stages in (4, 3, 2):
+                cfg = WgmmaConfig(bm, bn, stages, bk)
+                if not cfg.problems(m, n, k, dtype):
+                    cost = math.ceil(m // bm * (n // bn) / SM_COUNT) * bm * bn / rate
+                    if best is None or cost < best[0]:
+                        best = (cost, cfg)
+                    break
+            else:
+                continue
+            break
+    return best[1] if best else None
+
+
+def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(), cfg: WgmmaConfig | None = None, lead=None):
+    """The fused kernel, a tirx PrimFunc for sm_90a with parameters ``(x[*lead, k], w[n, k],
+    operand 0, ..., out[*lead, n])``: ``lead`` are the row dimensions (``(m,)`` by default;
+    ``(B, S)`` for 3-D activations, read as ``B * S`` rows through 2-D views of the same memory).
+    Static shapes, M and N multiples of the tile (:func:`problems`)."""
+    found = problems(m, n, k, spec, cfg)
+    if found:
+        raise ComFuseError("wgmma GEMM + elementwise cannot take " + "; ".join(found))
+    cfg = cfg or default_config(m, n, k, spec.dtype)
+    lead = tuple(lead or (m,))
+    if math.prod(lead) != m:
+        raise ComFuseError(f"wgmma GEMM + elementwise: row dimensions {lead} do not multiply to M = {m}")
+    bm, bn, acc_n = cfg.bm, cfg.bn, cfg.wg_cols // 2
+    produce, consume = mainloop(cfg, k, spec.dtype)
+    init = Ring(cfg.stages, cfg.consumers).init()
+    producer, consumer = roles(cfg)
+    maps = {"x": tensor_map(m, k, box_rows(bm), cfg.bk, spec.dtype), "w": tensor_map(n, k, box_rows(bn), cfg.bk, spec.dtype)}
+    dtypes = [d for d, _ in spec.operands]
+
+    def value(P, v, row, col):
+        """The chain on accumulator ``v`` at ``(row, col)``, in ``out_dtype`` (Python, run at parse time)."""
+        v, cur = chain_value(v, spec.steps, dtypes, lambda j: P[j][row, col] if spec.operands[j][1] else P[j][col])
+        return v if cur == spec.out_dtype else T.cast(v if cur == "float32" else T.cast(v, "float32"), spec.out_dtype)
+
+    @T.macro
+    def body(x_map, w_map, P, out):
+        if cfg.ctas_per_sm > 1:  # __launch_bounds__(threads, ctas_per_sm)
+            T.attr({"tirx.launch_bounds_min_blocks_per_sm": cfg.ctas_per_sm})
+        bx, by = T.cta_id([m // bm, n // bn])
+        if cfg.producer_warps > 0:  # producer warps after the consumers: role 0 all the same, its threads 0, 1, ...
+            warp = T.warp_id([cfg.threads // 32])
+            lane = T.lane_id([32])
+            wg = T.meta_var((warp // 4 + 1) % (cfg.consumers + 1))
+            tw = T.meta_var(warp % 4 * 32 + lane)
+        else:
+            wg = T.warpgroup_id([cfg.consumers + 1])
+            tw = T.thread_id_in_wg([128])
+        # one dynamic buffer (tirx allows one): per slot, the A tile's bm rows, then B's bn
+        S = T.alloc_shared([cfg.stages, bm + bn, cfg.bk], spec.dtype, scope="shared.dyn", align=1024)
+        full = T.alloc_shared([cfg.stages], "uint64", scope="shared", align=8)
+        empty = T.alloc_shared([cfg.stages], "uint64", scope="shared", align=8)
+        acc = T.alloc_local([acc_n], "float32")
+        da = T.alloc_local([1], "uint64")
+        db = T.alloc_local([1], "uint64")
+        init(full, empty, wg * 128 + tw)
+        if wg == 0:
+            producer()
+            if tw == 0:
+                produce(x_map, w_map, S, S, full, empty, bx * bm, by * bn, 0)
+        else:
+            consumer()
+            consume(S, S, full, empty, acc, da, db, wg - 1, tw, 0)
+            for q in T.unroll(acc_n // 2):  # accumulators 2q, 2q + 1: one row's adjacent columns
+                for j in T.vectorized(2):
+                    lrow, lcol = T.meta_var(fragment(tw, 2 * q + j))
+                    row, col = T.meta_var((bx * bm + (wg - 1) // cfg.wg_n * 64 + lrow, by * bn + (wg - 1) % cfg.wg_n * cfg.wg_cols + lcol))
+                    out[row, col] = value(P, acc[2 * q + j], row, col)
+
+    # the parameter list depends on the operands: the signature is generated, the body is the macro above
+    signature = [("x", (*lead, k), spec.dtype, (m, k)), ("w", (n, k), spec.dtype, None)]
+    signature += [(f"p{j}", (*lead, n) if tile else (n,), d, (m, n) if tile else None) for j, (d, tile) in enumerate(spec.operands)]
+    signature += [("out", (*lead, n), spec.out_dtype, (m, n))]
+    lines = [f"def gemm_elementwise({', '.join(f'{p}_h: T.handle' for p, *_ in signature)}):"]
+    lines += [f"    {p}_p = T.match_buffer({p}_h, {shp}, {dt!r}, align=16)" for p, shp, dt, _ in signature]
+    lines += [f"    {p}_map: T.let[T.handle('tensormap')] = T.tvm_stack_alloca('tensormap', 1)" for p in maps]
+    lines += [f"    encode_{p}({p}_map, {p}_p.data)" for p in maps] + ["    T.device_entry()"]
+    lines += [f"    {p} = T.decl_buffer({view}, {dt!r}, data={p}_p.data)" if view else f"    {p} = {p}_p" for p, _, dt, view in signature[2:]]
+    operands = ", ".join(f"p{j}" for j in range(len(spec.operands)))
+    lines += [f"    body(x_map, w_map, ({operands}{',' if operands else ''}), out)"]
+    return tvm.script.from_source("@T.prim_func\n" + "\n".join(lines),
+                                  extra_vars={"T": T, "body": body, **{f"encode_{p}": enc for p, enc in maps.items()}})
