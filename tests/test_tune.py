@@ -74,6 +74,26 @@ def test_compile_from_logs_matches_vanilla(tuned):
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
 
 
+def test_compacted_logs_hold_the_same_records_and_keep_growing(tuned, tmp_path, capsys):
+    """``comfuse compact-logs``: the logs shrink, load as the same records (the compile applies
+    them), and a resumed tune appends to them; a corrupted log is refused and left untouched."""
+    import shutil  # pylint: disable=import-outside-toplevel
+
+    work = tmp_path / "logs"
+    shutil.copytree(tuned[0], work)
+    size = lambda: sum((work / f).stat().st_size for f in (WORKLOAD_FILE, RECORD_FILE))  # noqa: E731
+    before = size()
+    assert main(["compact-logs", str(work)]) == 0 and "KiB ->" in capsys.readouterr().out
+    assert size() < 0.8 * before and len(_records(work)) == 5
+    assert applied_from_database(load_workload("tiny-postnorm")[1], "llvm", str(work)) == (1, 1)
+    assert _tune("--trials", "6", "--work-dir", str(work)) == 0 and len(_records(work)) == 6
+    with open(work / RECORD_FILE, "ab") as f:
+        f.write(b'[0, [[["GetSBlock"')
+    digest = _digest(work)
+    assert main(["compact-logs", str(work)]) == 2
+    assert "error" in capsys.readouterr().err and _digest(work) == digest
+
+
 def test_vanilla_metaschedule_contender_tunes_and_matches_the_reference(tmp_path):
     """The bench's vanilla-MetaSchedule contender: stock rules tune vanilla fusion's tasks within
     the budget, write MetaSchedule's logs, and the build from them computes the post-norm."""

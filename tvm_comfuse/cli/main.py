@@ -6,13 +6,14 @@ import argparse
 import sys
 
 from ..errors import ComFuseError
-from . import bench, demo, tune
+from . import bench, compact_logs, demo, tune
 
 EPILOG = """examples:
   comfuse demo                      fuse, check and generate CUDA for the demo workloads
   comfuse demo --out build/demo     also write the generated CUDA source there
   comfuse bench                     time the post-norm suite on a GPU (writes notebooks/results/)
   comfuse tune tiny-postnorm --trials 8   tune the fused PrimFuncs (logs in tuning_logs/llvm/tiny-postnorm/)
+  comfuse compact-logs tuning_logs/llvm/tiny-postnorm   the same logs in fewer bytes (lossless)
 """
 
 
@@ -27,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_parser(sub)
     bench.add_parser(sub)
     tune.add_parser(sub)
+    compact_logs.add_parser(sub)
     return parser
 
 

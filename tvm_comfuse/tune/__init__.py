@@ -7,7 +7,7 @@ applies at compile time. Modules:
 * :mod:`.registry` - named workloads and TVMScript files, as Relax modules;
 * :mod:`.tasks` - the tuning tasks (fused PrimFuncs) of a module;
 * :mod:`.space` - the search space per task kind (the hook for the ComFuse GPU rule);
-* :mod:`.logs` - the work directory: its meta file, log validation, record counts;
+* :mod:`.logs` - the work directory: its meta file, log validation, record counts, lossless compaction;
 * :mod:`.measure` - the builder and runner (local or through an RPC tracker);
 * :mod:`.driver` - the resumable tuning loop with its progress bar;
 * :mod:`.summary` - the human summary and the "tuned vs default" report after compiling;

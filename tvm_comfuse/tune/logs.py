@@ -1,6 +1,7 @@
 """The work directory: MetaSchedule's JSON logs plus ``comfuse_meta.json``, checked before use.
 
-Everything here reads; nothing rewrites a log. Checks run before MetaSchedule opens the
+Everything here reads; nothing rewrites a log, except :func:`compact` when asked to (losslessly,
+checked before it replaces a file). Checks run before MetaSchedule opens the
 database (which would append to it), so a bad work directory is reported with the file and
 line at fault and left byte-identical. ``comfuse_meta.json`` records the target and TVM
 version the logs were measured with: a record tuned for another target or TVM build is not
@@ -9,9 +10,13 @@ a valid measurement here, and MetaSchedule would silently ignore or misapply it.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
+import struct
+import tempfile
+
 import tvm
 import tvm_ffi
 from tvm.s_tir import meta_schedule as ms
@@ -122,7 +127,8 @@ class WorkDir:
             and isinstance(entry[1], list) and len(entry[1]) == 4
         )
 
-    def _lines(self, path: str, valid):
+    @staticmethod
+    def _lines(path: str, valid):
         if not os.path.isfile(path):
             return
         with open(path, "rb") as f:
@@ -131,15 +137,15 @@ class WorkDir:
         for lineno, raw in enumerate(lines, 1):
             if not raw.strip():
                 if lineno < len(lines):
-                    raise self._corrupt(path, lineno, "empty line")
+                    raise WorkDir._corrupt(path, lineno, "empty line")
                 continue
             try:
                 entry = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError) as err:
                 last = lineno == len(lines)
-                raise self._corrupt(path, lineno, ("truncated: " if last else "") + f"not JSON ({err.msg})") from None
+                raise WorkDir._corrupt(path, lineno, ("truncated: " if last else "") + f"not JSON ({err.msg})") from None
             if not valid(entry):
-                raise self._corrupt(path, lineno, "not a MetaSchedule entry")
+                raise WorkDir._corrupt(path, lineno, "not a MetaSchedule entry")
             yield entry
 
     @staticmethod
@@ -171,3 +177,76 @@ class WorkDir:
                 json.dump(self.expected_meta(), f, indent=1)
                 f.write("\n")
         return ms.database.JSONDatabase(path_workload=self.workload_path, path_tuning_record=self.record_path)
+
+
+def _compact_json(text: str) -> str:
+    return json.dumps(json.loads(text), separators=(",", ":"))
+
+
+def _compact_strings(value):
+    """``value`` with every string that holds an indented JSON document (TVM's ``SaveJSON`` of an
+    IndexMap in a TransformLayout instruction) written without the indentation."""
+    if isinstance(value, str) and value.startswith("{\n"):
+        try:
+            return _compact_json(value)
+        except ValueError:
+            return value
+    if isinstance(value, list):
+        return [_compact_strings(v) for v in value]
+    return value
+
+
+def _compact_workload(line: bytes) -> str:
+    """A workload line ``[hash, base64(8-byte length + SaveJSON text)]`` with the text compacted."""
+    shash, payload = json.loads(line)
+    raw = base64.b64decode(payload)
+    (size,) = struct.unpack("<Q", raw[:8])
+    if size + 8 != len(raw):
+        raise ComFuseError(f"a workload entry of hash {shash} is not a length-prefixed JSON document; not compacted")
+    text = _compact_json(raw[8:].decode()).encode()
+    return json.dumps([shash, base64.b64encode(struct.pack("<Q", len(text)) + text).decode()])
+
+
+def _same_database(path_a: str, path_b: str) -> bool:
+    """Whether two log directories load as the same MetaSchedule database: the same records in
+    order, each with the same trace, run times, target and arguments, of the same workload."""
+    from ..pipeline import register_tensor_intrinsics  # pylint: disable=import-outside-toplevel
+
+    register_tensor_intrinsics(os.path.join(path_a, RECORD_FILE))
+    load = lambda p: ms.database.JSONDatabase(os.path.join(p, WORKLOAD_FILE), os.path.join(p, RECORD_FILE),  # noqa: E731
+                                              allow_missing=False).get_all_tuning_records()
+    a, b = load(path_a), load(path_b)
+    return len(a) == len(b) and all(
+        str(x.trace) == str(y.trace) and [float(s) for s in x.run_secs or []] == [float(s) for s in y.run_secs or []]
+        and str(x.target) == str(y.target) and str(x.args_info) == str(y.args_info)
+        and tvm_ffi.structural_equal(x.workload.mod, y.workload.mod)
+        for x, y in zip(a, b)
+    )
+
+
+def compact(path: str) -> tuple[int, int]:
+    """Rewrite the logs in ``path`` without the indentation TVM's JSON writer leaves inside them
+    (each workload's IRModule and each TransformLayout's index map are indented JSON documents
+    nested as strings: half of a GPU log's bytes). Lossless: the compacted files are written
+    beside the originals and replace them only if they load as the same database
+    (:func:`_same_database`); MetaSchedule appends to them as before. Returns the bytes of both
+    files before and after. Why: the shipped logs travel with the repository."""
+    files = [os.path.join(path, f) for f in (WORKLOAD_FILE, RECORD_FILE)]
+    if not all(os.path.isfile(f) for f in files):
+        raise ComFuseError(f"{path!r} is not a MetaSchedule log directory (it needs {WORKLOAD_FILE} and {RECORD_FILE})")
+    for name, valid in ((WORKLOAD_FILE, WorkDir._workload_entry), (RECORD_FILE, WorkDir._record_entry)):
+        for _ in WorkDir._lines(os.path.join(path, name), valid):  # a corrupted line: its file and number  # pylint: disable=protected-access
+            pass
+    before = sum(os.path.getsize(f) for f in files)
+    with tempfile.TemporaryDirectory(prefix=".compact-", dir=path) as tmp:
+        for name, rewrite in ((WORKLOAD_FILE, _compact_workload),
+                              (RECORD_FILE, lambda line: json.dumps(_compact_strings(json.loads(line)), separators=(",", ":")))):
+            with open(os.path.join(path, name), "rb") as src, open(os.path.join(tmp, name), "w", encoding="utf-8") as dst:
+                for line in src:
+                    if line.strip():
+                        dst.write(rewrite(line) + "\n")
+        if not _same_database(path, tmp):
+            raise ComFuseError(f"{path}: the compacted logs do not load as the same records; the logs were left untouched")
+        for name in (WORKLOAD_FILE, RECORD_FILE):
+            os.replace(os.path.join(tmp, name), os.path.join(path, name))
+    return before, sum(os.path.getsize(f) for f in files)
