@@ -319,17 +319,20 @@ def _chain_reference(spec, x, w, operands):
     return v
 
 
-@pytest.mark.parametrize("M, N, K, dtype, chain, cfg, lead", [
-    (4096, 3072, 768, "float16", "ffn1", None, (32, 128)),  # BERT-base's FFN1 on the default 128 x 256 tiles
-    (4096, 768, 768, "float16", "projection", None, None),  # its Q/K/V projections: 128 x 192, fp32 out
-    (1024, 512, 256, "bfloat16", "silu_residual", None, None),
-    (256, 256, 128, "float16", "relu", (64, 128, 2, 32, 1), None),
-    (1024, 1024, 1024, "float16", "gelu_tanh", (256, 128, 4, 64, 1), None),
-    (512, 512, 512, "float16", "silu_residual", (128, 256, 3, 64, 2), (4, 128)),  # two column warpgroups
+@pytest.mark.parametrize("M, N, K, dtype, chain, cfg, lead, axes", [
+    (4096, 3072, 768, "float16", "ffn1", None, (32, 128), None),  # BERT-base's FFN1 on the default 128 x 256 tiles
+    (4096, 768, 768, "float16", "projection", None, None, None),  # its Q/K/V projections: 128 x 192, fp32 out
+    (4096, 768, 768, "float16", "projection", None, (32, 128), (0, 2, 1, 3)),  # ... written as Q and V: [B * H, S, D]
+    (4096, 768, 768, "float16", "projection", None, (32, 128), (0, 2, 3, 1)),  # ... and as K: [B * H, D, S]
+    (1024, 512, 256, "bfloat16", "silu_residual", None, None, None),
+    (256, 256, 128, "float16", "relu", (64, 128, 2, 32, 1), None, None),
+    (1024, 1024, 1024, "float16", "gelu_tanh", (256, 128, 4, 64, 1), None, None),
+    (512, 512, 512, "float16", "silu_residual", (128, 256, 3, 64, 2), (4, 128), None),  # two column warpgroups
 ])
-def test_gpu_wgmma_elementwise_matches_torch(M, N, K, dtype, chain, cfg, lead):
+def test_gpu_wgmma_elementwise_matches_torch(M, N, K, dtype, chain, cfg, lead, axes):
     """The GEMM + elementwise kernel (written on CPU in session 14) against PyTorch: BERT's chains
-    (fp32 bias, GELU, fp16 or fp32 out), activations with a residual tile, bf16, other tiles."""
+    (fp32 bias, GELU, fp16 or fp32 out; the projections also in attention's head layouts, cast
+    to fp16), activations with a residual tile, bf16, other tiles."""
     import tvm  # pylint: disable=import-outside-toplevel
 
     from tvm_comfuse.schedule import wgmma_elementwise as we, wgmma_mainloop as wm  # pylint: disable=import-outside-toplevel
@@ -341,6 +344,11 @@ def test_gpu_wgmma_elementwise_matches_torch(M, N, K, dtype, chain, cfg, lead):
         steps = (Step("cast", dtype), Step("cast", "float32"), Step("add", "float32", 0))
         steps += (Step("gelu", "float32"), Step("cast", dtype)) if chain == "ffn1" else ()
         spec = we.Elementwise(dtype, steps, (("float32", False),), dtype if chain == "ffn1" else "float32")
+        if axes:  # 12 heads of 64, as BERT-base's attention reads them, in fp16
+            dims = (*lead, N // 64, 64)
+            shape = [dims[a] for a in axes]
+            spec = we.Elementwise(dtype, steps + (Step("cast", dtype),), spec.operands, dtype,
+                                  (dims, axes, (shape[0] * shape[1], *shape[2:])))
     else:
         steps = (Step("cast", "float32"), Step("add", "float32", 0), Step(act, dtype))
         steps += (Step("add", dtype, 1),) if chain == "silu_residual" else ()
@@ -351,11 +359,13 @@ def test_gpu_wgmma_elementwise_matches_torch(M, N, K, dtype, chain, cfg, lead):
     w = torch.randn(N, K, device="cuda", dtype=tdt, generator=gen) / K**0.5
     operands = [torch.randn(N, device="cuda", generator=gen)]
     operands += [torch.randn(*(lead or (M,)), N, device="cuda", dtype=tdt, generator=gen)] if chain == "silu_residual" else []
-    out = torch.full((*(lead or (M,)), N), float("nan"), device="cuda", dtype=getattr(torch, spec.out_dtype))
+    out = torch.full(spec.out_shape(lead or (M,), N), float("nan"), device="cuda", dtype=getattr(torch, spec.out_dtype))
     kernel = wm.build(we.wgmma_elementwise(M, N, K, spec, cfg and wm.WgmmaConfig(*cfg), lead=lead))["main"]
     kernel(*[tvm.runtime.from_dlpack(t) for t in (x, w, *operands, out)])
     ref = _chain_reference(spec, x, w, operands)
-    assert (out.float().reshape(M, N) - ref).abs().max().item() <= TOL[dtype]
+    if spec.layout:
+        ref = ref.reshape(spec.layout[0]).permute(*spec.layout[1]).reshape(spec.layout[2])
+    assert (out.float() - ref.reshape(out.shape)).abs().max().item() <= TOL[dtype]
 
 
 @pytest.mark.parametrize("M, K, N, dtype, norm, batch", [

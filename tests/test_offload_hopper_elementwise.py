@@ -88,9 +88,11 @@ def test_bert_projections_and_ffn1_are_read_as_their_chains():
 
 
 def test_offloaded_bert_layer_computes_what_the_graph_does():
-    """Both passes on an imported BERT layer: every GEMM chain but the attention's is one kernel
-    call (Q, K and V share one kernel), and the encoder's output matches vanilla TVM's with the
-    kernels' NumPy models in their place."""
+    """Both passes on an imported BERT layer: every GEMM chain is one kernel call, and the Q, K
+    and V projections write the heads' layout attention reads (``[B * H, S, D]``, K as ``[B *
+    H, D, S]``) in fp16, so the head-splitting transposes and casts after them are gone (Q and V
+    share one kernel); the encoder's output matches vanilla TVM's with the kernels' NumPy models
+    in their place."""
     mod = _bert()
     arrays = _random(mod["main"].params)
     grouped, _ = _outlined(mod)
@@ -98,10 +100,28 @@ def test_offloaded_bert_layer_computes_what_the_graph_does():
     build = _numpy_kernels(calls)
     offloaded = OffloadHopperElementwise("llvm", build=build)(OffloadHopperPostNorm("llvm", build=build)(grouped))
     assert not [gv for gv, f in offloaded.functions_items() if isinstance(f, relax.Function) and "gemm_elementwise" in str(f.attrs)]
+    script = offloaded["main"].script()
+    assert grouped["main"].script().count("R.permute_dims") == 5 and script.count("R.permute_dims") == 1  # the heads' merge
+    assert script.count('out_ty=R.Tensor((4, 32, 64), dtype="float16")') == 2  # Q and V
+    assert script.count('out_ty=R.Tensor((4, 64, 32), dtype="float16")') == 1  # K, transposed
     got, want = _run_llvm(offloaded, arrays), _run_llvm(mod, arrays)
     ew = [c for c in calls if "_ew_" in c]
-    assert len(ew) == 4 and len(set(ew)) == 2 and len(calls) == 6
+    assert len(ew) == 4 and len(set(ew)) == 3 and len(calls) == 6
     assert len(got) == len(want) and all(np.abs(g - w).max() <= 5e-2 for g, w in zip(got, want))
+
+
+def test_layout_tails_stop_where_another_op_reads_them():
+    """The tail ends before a value something else also reads, and a reshape that merges rows
+    (not a split of N into heads) ends it at once: FFN1's output keeps its own layout."""
+    from tvm_comfuse.transform.offload_hopper_elementwise import _tails  # pylint: disable=import-outside-toplevel
+
+    grouped, groups = _outlined(_bert())
+    names = [gv.name_hint for gv, f in grouped.functions_items() if "gemm_elementwise" in str(f.attrs)]
+    tails = _tails(grouped, set(names))
+    assert len(tails) == 3 and not any("gelu" in name for name in tails)
+    layouts = sorted(layout for _vars, layout, _cast in tails.values())
+    assert [axes for _dims, axes, _shape in layouts] == [(0, 2, 1, 3), (0, 2, 1, 3), (0, 2, 3, 1)]
+    assert {cast for *_, cast in tails.values()} == {"float16"}
 
 
 @pytest.mark.parametrize("act", ACTIVATIONS)
@@ -139,6 +159,21 @@ def test_chains_the_kernel_cannot_express_are_left_to_the_rule(kw):
     assert OffloadHopperElementwise("llvm", build=_numpy_kernels([]))(grouped).same_as(grouped)
 
 
+@pytest.mark.parametrize("dims, axes", [((2, 4, 3, 8), (0, 2, 1, 3)), ((2, 4, 3, 8), (0, 2, 3, 1)), ((8, 3, 8), (1, 0, 2)),
+                                        ((2, 4, 3, 8), (3, 2, 1, 0))])
+def test_layout_offsets_are_where_numpy_puts_each_element(dims, axes):
+    """The kernel's output index for every element of the ``[M, N]`` result in a layout
+    (``layout_offset``, the same code the kernel's stores are generated from) is its position
+    in ``result.reshape(dims).transpose(axes)``, flattened."""
+    m, n = int(np.prod(dims[:-2])), dims[-2] * dims[-1]
+    positions = np.arange(m * n).reshape(m, n).reshape(dims).transpose(axes).reshape(-1)
+    want = np.empty(m * n, dtype=np.int64)
+    want[positions] = np.arange(m * n)  # where each element of the result went
+    layout = (dims, axes, (m * n,))
+    got = [we.layout_offset(layout, r, c) for r in range(m) for c in range(n)]
+    assert got == want.tolist()
+
+
 def test_default_tiles_fill_the_waves():
     """At M = 4096: N = 768 takes 128 x 192 tiles (128 CTAs, one wave of the 132 SMs; 128 x 256
     would leave 36 idle), N = 3072 the plain GEMM's fastest 128 x 256; rows no tile divides are
@@ -157,15 +192,20 @@ def test_sm90a_compile_runs_the_groups_as_wgmma_kernels(caplog):
     with caplog.at_level(logging.INFO, logger="tvm_comfuse"):
         ex = runtime.compile_module(_bert(), SM90A, hopper=True, hopper_elementwise=True)
     names = codegen.kernel_names(codegen.cuda_source(ex))
-    assert len([k for k in names if k.startswith("comfuse_wgmma_ew_")]) == 2
-    assert "4 GEMM + elementwise group(s) run as 2 wgmma kernel(s)" in caplog.text
+    assert len([k for k in names if k.startswith("comfuse_wgmma_ew_")]) == 3
+    assert "4 GEMM + elementwise group(s) run as 3 wgmma kernel(s), 3 writing the layout" in caplog.text
     ex = runtime.compile_module(_bert(), SM90A, hopper=True)
     assert not any(k.startswith("comfuse_wgmma_ew_") for k in codegen.kernel_names(codegen.cuda_source(ex)))
 
 
 @pytest.mark.skipif(not codegen.have_nvcc(), reason="nvcc is not installed")
-@pytest.mark.parametrize("mnk, spec", [((4096, 3072, 768), FFN1),
-                                       ((4096, 768, 768), we.Elementwise("float16", FFN1.steps[:3], FFN1.operands, "float32"))])
+@pytest.mark.parametrize("mnk, spec", [
+    ((4096, 3072, 768), FFN1),
+    ((4096, 768, 768), we.Elementwise("float16", FFN1.steps[:3], FFN1.operands, "float32")),
+    # the projections as the pass builds them: K written as [B * H, D, S] in fp16
+    ((4096, 768, 768), we.Elementwise("float16", FFN1.steps[:3] + (Step("cast", "float16"),), FFN1.operands, "float16",
+                                      ((32, 128, 12, 64), (0, 2, 3, 1), (384, 64, 128)))),
+])
 def test_bert_sized_kernels_compile_without_spills_or_hazards(mnk, spec):
     """BERT-base's FFN1 and projections on their default tiles: ptxas keeps every accumulator in
     registers (no spills) and no SASS instruction reads an accumulator a wgmma may still write."""

@@ -39,12 +39,19 @@ TILES = {(128, 256): 1.0, (256, 128): 0.97, (128, 192): 0.97, (128, 128): 0.91, 
 @dataclass(frozen=True)
 class Elementwise:
     """The fused group: ``out = chain(x @ w.T)`` in ``out_dtype``; ``operands`` are the added
-    tensors' ``(dtype, is_tile)`` (a tile is ``[M, N]``, else ``[N]``)."""
+    tensors' ``(dtype, is_tile)`` (a tile is ``[M, N]``, else ``[N]``).
+
+    ``layout``: ``()`` writes ``out`` as ``[*rows, N]``; ``(dims, axes, shape)`` writes
+    ``out.reshape(dims).transpose(axes).reshape(shape)`` instead, ``dims`` being the rows' dims
+    followed by N split in two (BERT's heads: ``(B, S, H, D)``), so a multi-head attention's
+    ``reshape -> permute_dims -> astype`` after the projection costs no kernel of its own
+    (:mod:`tvm_comfuse.transform.offload_hopper_elementwise`)."""
 
     dtype: str = "float16"
     steps: tuple = ()
     operands: tuple = ()
     out_dtype: str = "float16"
+    layout: tuple = ()
 
     def problems(self) -> list:
         """What the kernel cannot compute of this description (empty if nothing)."""
@@ -55,7 +62,16 @@ class Elementwise:
         used = sorted(s.operand for s in self.steps if s.op == "add")
         if used != list(range(len(self.operands))):
             found.append(f"added operands {used} (each of the {len(self.operands)} operands once)")
+        if self.layout:
+            dims, axes, shape = self.layout
+            if sorted(axes) != list(range(len(dims))) or len(dims) < 3 or math.prod(shape) != math.prod(dims):
+                found.append(f"layout {self.layout} (dims: the rows' then N's two, axes a permutation of them, "
+                             "shape as many elements)")
         return found
+
+    def out_shape(self, lead, n: int) -> tuple:
+        """The shape the kernel writes for rows ``lead`` and ``n`` columns."""
+        return tuple(self.layout[2]) if self.layout else (*lead, n)
 
 
 def reference(spec: Elementwise, x, w, *operands):
@@ -64,12 +80,33 @@ def reference(spec: Elementwise, x, w, *operands):
     place."""
     f32 = lambda a: np.asarray(a).astype(np.float32)  # noqa: E731
     v = np_chain(f32(x).reshape(-1, x.shape[-1]) @ f32(w).T, spec.steps, [f32(p) for p in operands])
+    if spec.layout:
+        dims, axes, shape = spec.layout
+        return v.reshape(dims).transpose(axes).reshape(shape).astype(np_dtype(spec.out_dtype))
     return v.reshape(*x.shape[:-1], v.shape[1]).astype(np_dtype(spec.out_dtype))
+
+
+def layout_offset(layout: tuple, row, col):
+    """The flat offset of element ``(row, col)`` of the GEMM's ``[M, N]`` result in the output
+    written in ``layout`` (``Elementwise.layout``): ``row`` split over the rows' dims, ``col``
+    over the last two, those indices permuted by ``axes`` and laid out row-major. Integers or
+    TIR expressions alike."""
+    dims, axes, _ = layout
+    index, rest = [col // dims[-1], col % dims[-1]], row
+    for d in reversed(dims[:-2]):
+        index.insert(0, rest % d)
+        rest = rest // d
+    offset = 0
+    for a in axes:
+        offset = offset * dims[a] + index[a]
+    return offset
 
 
 def problems(m: int, n: int, k: int, spec: Elementwise, cfg: WgmmaConfig | None = None) -> list:
     """What keeps the kernel from computing this group (empty if nothing)."""
     found = spec.problems()
+    if spec.layout and (math.prod(spec.layout[0][:-2]) != m or math.prod(spec.layout[0][-2:]) != n):
+        found.append(f"layout dims {spec.layout[0]} (the rows' dims, multiplying to M = {m}, then two multiplying to N = {n})")
     if cfg is None:
         cfg = default_config(m, n, k, spec.dtype)
         if cfg is None:
@@ -101,7 +138,7 @@ def default_config(m: int, n: int, k: int, dtype: str = "float16") -> WgmmaConfi
 
 def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(), cfg: WgmmaConfig | None = None, lead=None):
     """The fused kernel, a tirx PrimFunc for sm_90a with parameters ``(x[*lead, k], w[n, k],
-    operand 0, ..., out[*lead, n])``: ``lead`` are the row dimensions (``(m,)`` by default;
+    operand 0, ..., out)``, ``out`` of ``spec.out_shape(lead, n)``: ``lead`` are the row dimensions (``(m,)`` by default;
     ``(B, S)`` for 3-D activations, read as ``B * S`` rows through 2-D views of the same memory).
     Static shapes, M and N multiples of the tile (:func:`problems`)."""
     found = problems(m, n, k, spec, cfg)
@@ -122,6 +159,10 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
         """The chain on accumulator ``v`` at ``(row, col)``, in ``out_dtype`` (Python, run at parse time)."""
         v, cur = chain_value(v, spec.steps, dtypes, lambda j: P[j][row, col] if spec.operands[j][1] else P[j][col])
         return v if cur == spec.out_dtype else T.cast(v if cur == "float32" else T.cast(v, "float32"), spec.out_dtype)
+
+    def at(row, col):
+        """Where ``(row, col)`` of the GEMM's result lies in the output (Python, at parse time)."""
+        return (layout_offset(spec.layout, row, col),) if spec.layout else (row, col)
 
     @T.macro
     def body(x_map, w_map, P, out):
@@ -155,12 +196,12 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
                 for j in T.vectorized(2):
                     lrow, lcol = T.meta_var(fragment(tw, 2 * q + j))
                     row, col = T.meta_var((bx * bm + (wg - 1) // cfg.wg_n * 64 + lrow, by * bn + (wg - 1) % cfg.wg_n * cfg.wg_cols + lcol))
-                    out[row, col] = value(P, acc[2 * q + j], row, col)
+                    out[at(row, col)] = value(P, acc[2 * q + j], row, col)
 
     # the parameter list depends on the operands: the signature is generated, the body is the macro above
     signature = [("x", (*lead, k), spec.dtype, (m, k)), ("w", (n, k), spec.dtype, None)]
     signature += [(f"p{j}", (*lead, n) if tile else (n,), d, (m, n) if tile else None) for j, (d, tile) in enumerate(spec.operands)]
-    signature += [("out", (*lead, n), spec.out_dtype, (m, n))]
+    signature += [("out", spec.out_shape(lead, n), spec.out_dtype, (m * n,) if spec.layout else (m, n))]
     lines = [f"def gemm_elementwise({', '.join(f'{p}_h: T.handle' for p, *_ in signature)}):"]
     lines += [f"    {p}_p = T.match_buffer({p}_h, {shp}, {dt!r}, align=16)" for p, shp, dt, _ in signature]
     lines += [f"    {p}_map: T.let[T.handle('tensormap')] = T.tvm_stack_alloca('tensormap', 1)" for p in maps]

@@ -23,11 +23,14 @@ on the H200 (session 10), where the wgmma mainloop ran the same GEMM shape as a 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import tvm
 from tvm import relax
+from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from ..graph import ops
 from ..target import parse_target
 from .fuse_compute_memory import KIND_ATTR
 from .offload_hopper import GroupBody, _sinfo, build_kernel, is_hopper, replace_calls
@@ -76,6 +79,112 @@ def taken_groups(mod: tvm.IRModule):
         yield gv, func, found
 
 
+def _users(block: relax.DataflowBlock, result) -> dict:
+    """Each variable of ``block`` -> the variables bound to expressions that use it (the
+    function's result counts as a user that is not a dataflow variable)."""
+    users = {}
+    for b in block.bindings:
+        for v in relax.analysis.free_vars(b.value):
+            users.setdefault(v, []).append(b.var)
+    for v in relax.analysis.free_vars(result):
+        users.setdefault(v, []).append(None)
+    return users
+
+
+def layout_tail(var, users: dict, var2val: dict, out_shape):
+    """The layout ops that alone consume the group result ``var`` (``[*rows, N]``): a reshape
+    splitting N in two (attention's heads), permutations of the dims, a cast, reshapes of the
+    permuted tensor, a ``broadcast_to`` of its own shape, each the only user of the one before.
+    Returns ``(tail vars, layout or (), cast dtype or None)`` (the layout as
+    :class:`~tvm_comfuse.schedule.wgmma_elementwise.Elementwise` takes it), or None where no
+    such op follows."""
+    tail, dims, axes, cast, flat, shape, cur = [], None, None, None, False, list(out_shape), var
+    while True:
+        nxt = users.get(cur, [])
+        if len(nxt) != 1 or not isinstance(nxt[0], relax.DataflowVar):
+            break
+        val = var2val.get(nxt[0])
+        name = ops.op_name(val) if isinstance(val, relax.Call) else None
+        new_shape, new_dtype = _sinfo(nxt[0])
+        if name is None or new_shape is None or not val.args[0].same_as(cur):
+            break
+        if name == ops.RESHAPE and dims is None:  # [*rows, N] -> [*rows, H, D]
+            if new_shape[:-2] != shape[:-1] or new_shape[-2] * new_shape[-1] != shape[-1]:
+                break
+            dims, axes = tuple(new_shape), tuple(range(len(new_shape)))
+        elif name == ops.RESHAPE:
+            flat = True  # the permuted tensor's elements in the same order
+        elif name == ops.TRANSPOSE and dims is not None and not flat:
+            perm = [int(a) for a in val.attrs.axes] if val.attrs.axes is not None else list(reversed(range(len(axes))))
+            axes = tuple(axes[a] for a in perm)
+        elif name == ops.BROADCAST and new_shape == shape:
+            pass
+        elif name == "relax.astype" and cast is None and new_dtype in ("float16", "bfloat16", "float32"):
+            cast = new_dtype
+        else:
+            break
+        tail.append(nxt[0])
+        cur, shape = nxt[0], new_shape
+    if not tail:
+        return None
+    return tail, ((dims, axes, tuple(shape)) if dims is not None else ()), cast
+
+
+def _tails(mod: tvm.IRModule, names) -> dict:
+    """Group name -> ``(tail vars, layout, cast)`` for each group in ``names`` called once, from a
+    dataflow block, with a :func:`layout_tail` after it."""
+    calls, found = {}, {}
+    for _, func in mod.functions_items():
+        if not isinstance(func, relax.Function) or not isinstance(func.body, relax.SeqExpr):
+            continue
+        for block in func.body.blocks:
+            if not isinstance(block, relax.DataflowBlock):
+                continue
+            users, var2val = None, {b.var: b.value for b in block.bindings}
+            for b in block.bindings:
+                if isinstance(b.value, relax.Call) and isinstance(b.value.op, relax.GlobalVar) and b.value.op.name_hint in names:
+                    name = b.value.op.name_hint
+                    calls[name] = calls.get(name, 0) + 1
+                    users = users or _users(block, func.body.body)
+                    tail = layout_tail(b.var, users, var2val, _sinfo(b.var)[0])
+                    if tail is not None:
+                        found[name] = tail
+    return {name: tail for name, tail in found.items() if calls[name] == 1}
+
+
+@mutator
+class _TailRewriter(PyExprMutator):  # pylint: disable=abstract-method
+    """Bind each planned group call's kernel call, in its tail's layout and dtype, in place of
+    the call, and its tail's variables to it."""
+
+    def __init__(self, mod, plans):
+        super().__init__(mod)
+        self.plans = plans  # group name -> (symbol, roles, out_shape, out_dtype, tail vars)
+        self.tail_of = {}
+
+    def visit_var_binding_(self, binding):  # pylint: disable=arguments-renamed
+        value = binding.value
+        if isinstance(value, relax.Call) and isinstance(value.op, relax.GlobalVar) and value.op.name_hint in self.plans:
+            symbol, roles, shape, dtype, tail = self.plans[value.op.name_hint]
+            args = relax.Tuple([self.visit_expr(value.args[i]) for i in roles])
+            call = self.builder_.emit(relax.call_dps_packed(relax.ExternFunc(symbol), args, relax.TensorType(shape, dtype)),
+                                      tail[-1].name)
+            self.tail_of.update({v: call for v in tail})
+            return
+        if binding.var in self.tail_of:
+            self.set_var_remap(binding.var, self.tail_of[binding.var])
+            return
+        super().visit_var_binding_(binding)
+
+
+def _rewrite_tails(mod: tvm.IRModule, plans: dict) -> tvm.IRModule:
+    rewriter = _TailRewriter(mod, plans)
+    for gv, func in mod.functions_items():
+        if isinstance(func, relax.Function) and gv.name_hint not in plans:
+            rewriter.builder_.update_func(gv, rewriter.visit_expr(func))
+    return rewriter.builder_.get()
+
+
 @tvm.transform.module_pass(opt_level=0, name="OffloadHopperElementwise")
 class OffloadHopperElementwise:  # pylint: disable=too-few-public-methods
     """Replace the GEMM + elementwise groups the wgmma kernel takes by calls of it (see the
@@ -93,12 +202,20 @@ class OffloadHopperElementwise:  # pylint: disable=too-few-public-methods
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         """Build each eligible group's kernel, rewrite its calls, drop the outlined function."""
         from ..schedule import wgmma_elementwise as we  # pylint: disable=import-outside-toplevel
+        from ..schedule.chain import Step  # pylint: disable=import-outside-toplevel
 
         if self.build is None and not is_hopper(self.target):
             return mod
         build = self.build or (lambda func, symbol, _spec, _mnk: build_kernel(func, symbol, self.target))
-        offloads, built, symbols = {}, [], {}
-        for gv, _func, (spec, roles, mnk, out_shape) in taken_groups(mod):
+        offloads, built, symbols, plans = {}, [], {}, {}
+        taken = list(taken_groups(mod))
+        tails = _tails(mod, {gv.name_hint for gv, *_ in taken})
+        for gv, _func, (spec, roles, mnk, out_shape) in taken:
+            tail = tails.get(gv.name_hint)
+            if tail is not None:  # the layout ops after it: the kernel writes their result
+                vars_, layout, cast = tail
+                spec = dataclasses.replace(spec, steps=spec.steps + ((Step("cast", cast),) if cast else ()),
+                                           out_dtype=cast or spec.out_dtype, layout=layout)
             key = (spec, mnk, tuple(out_shape))
             if key not in symbols:
                 symbols[key] = f"comfuse_wgmma_ew_{len(symbols)}_{gv.name_hint}"[:120]
@@ -106,7 +223,10 @@ class OffloadHopperElementwise:  # pylint: disable=too-few-public-methods
                 if module is not None:
                     built.append(module)
             offloads[gv.name_hint] = (symbols[key], roles, out_shape, spec.out_dtype, ("out",))
+            if tail is not None:
+                plans[gv.name_hint] = (symbols[key], roles, list(_sinfo(tail[0][-1])[0]), spec.out_dtype, tail[0])
         if not offloads:
             return mod
-        LOG.info("ComFuse: %d GEMM + elementwise group(s) run as %d wgmma kernel(s)", len(offloads), len(symbols))
-        return replace_calls(mod, offloads, built)
+        LOG.info("ComFuse: %d GEMM + elementwise group(s) run as %d wgmma kernel(s), %d writing the layout of the "
+                 "reshapes, transposes and casts after them", len(offloads), len(symbols), len(plans))
+        return replace_calls(_rewrite_tails(mod, plans) if plans else mod, offloads, built)
