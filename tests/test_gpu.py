@@ -17,11 +17,11 @@ TOL = {"float16": 5e-2, "bfloat16": 2e-1}
 SHAPES = [(1, 64, 72), (100, 200, 72), (333, 96, 130), (4096, 768, 768), (1000, 3072, 768)]
 
 
-def _run_on_gpu(mod, args, hopper=False, hopper_elementwise=False):
+def _run_on_gpu(mod, args, hopper=False, hopper_groups=None):
     import tvm  # pylint: disable=import-outside-toplevel
 
     target = tvm.target.Target.from_device(tvm.cuda(0))
-    ex = runtime.compile_module(mod, target, hopper=hopper, hopper_elementwise=hopper_elementwise)
+    ex = runtime.compile_module(mod, target, hopper=hopper, hopper_groups=hopper_groups)
     vm = tvm.relax.VirtualMachine(ex, tvm.cuda(0))
     out = vm["main"](*[tvm.runtime.from_dlpack(a) for a in args])
     items = list(out) if isinstance(out, (tvm.ir.Array, list, tuple)) else [out]
@@ -180,9 +180,11 @@ def test_bert_encoder_fp16_on_gpu():
     assert (out - ref).abs().max().item() <= 5e-2
 
 
-def test_gpu_bert_encoder_with_every_gemm_chain_on_the_wgmma_kernels():
-    """The encoder with ``hopper_elementwise=True``: the Q, K, V and FFN1 chains run as the
-    GEMM + elementwise wgmma kernel (beside the post-norm one) and the output matches PyTorch."""
+@pytest.mark.parametrize("groups", [("post_norm", "elementwise"), ("post_norm", "attention", "elementwise")])
+def test_gpu_bert_encoder_on_the_opt_in_hopper_kernels(groups):
+    """The encoder with ``hopper_groups``: the Q, K, V and FFN1 chains run as the GEMM +
+    elementwise wgmma kernel (the projections writing attention's layouts), and with
+    ``"attention"`` each layer's attention as one kernel; the output matches PyTorch."""
     import tvm  # pylint: disable=import-outside-toplevel
 
     _need_sm90(tvm)
@@ -192,8 +194,9 @@ def test_gpu_bert_encoder_with_every_gemm_chain_on_the_wgmma_kernels():
     with torch.no_grad():
         ref = module(x).cuda()
     args = [x.cuda()] + [torch.from_numpy(p).cuda() for p in params]
-    (out,), kernels = _run_on_gpu(mod, args, hopper=True, hopper_elementwise=True)
-    assert len([k for k in kernels if k.startswith("comfuse_wgmma_ew_")]) == 2
+    (out,), kernels = _run_on_gpu(mod, args, hopper=True, hopper_groups=groups)
+    assert len([k for k in kernels if k.startswith("comfuse_wgmma_ew_")]) == 3
+    assert len([k for k in kernels if k.startswith("comfuse_wgmma_attention_")]) == ("attention" in groups)
     assert (out - ref).abs().max().item() <= 5e-2
 
 
@@ -366,6 +369,31 @@ def test_gpu_wgmma_elementwise_matches_torch(M, N, K, dtype, chain, cfg, lead, a
     if spec.layout:
         ref = ref.reshape(spec.layout[0]).permute(*spec.layout[1]).reshape(spec.layout[2])
     assert (out.float() - ref.reshape(out.shape)).abs().max().item() <= TOL[dtype]
+
+
+@pytest.mark.parametrize("b, h, s, d, dtype, scale_op", [
+    (32, 12, 128, 64, "float16", "multiply"),  # BERT-base at batch 32 x 128
+    (4, 2, 64, 64, "float16", "multiply"), (2, 4, 128, 128, "bfloat16", "divide"),
+])
+def test_gpu_wgmma_attention_matches_torch(b, h, s, d, dtype, scale_op):
+    """The fused attention kernel (written on CPU in session 14) against PyTorch's softmax
+    attention in fp32: q and k in the projections' [B * S, H * D], v transposed per head."""
+    import tvm  # pylint: disable=import-outside-toplevel
+
+    from tvm_comfuse.schedule import wgmma_attention as wa, wgmma_mainloop as wm  # pylint: disable=import-outside-toplevel
+
+    _need_sm90(tvm)
+    spec = wa.Attention(b, h, s, d, dtype, dtype, 0.125 if scale_op == "multiply" else 8.0, scale_op, dtype)
+    tdt = getattr(torch, dtype)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=tdt, generator=gen) for _ in range(3))
+    vt = v.permute(0, 2, 3, 1).contiguous()
+    out = torch.full((b * s, h * d), float("nan"), device="cuda", dtype=tdt)
+    kernel = wm.build(wa.wgmma_attention(spec))["main"]
+    kernel(*[tvm.runtime.from_dlpack(t) for t in (q.reshape(b * s, h * d), k.reshape(b * s, h * d), vt.reshape(b * h * d, s), out)])
+    qh, kh, vh = (t.float().permute(0, 2, 1, 3) for t in (q, k, v))
+    ref = torch.softmax(qh @ kh.transpose(-1, -2) / 8.0, -1) @ vh  # 0.125 or / 8.0: the same scores
+    assert (out.float() - ref.permute(0, 2, 1, 3).reshape(b * s, h * d)).abs().max().item() <= TOL[dtype]
 
 
 @pytest.mark.parametrize("M, K, N, dtype, norm, batch", [

@@ -186,11 +186,11 @@ def test_default_tiles_fill_the_waves():
 
 @pytest.mark.skipif(not codegen.have_nvcc(), reason="nvcc is not installed")
 def test_sm90a_compile_runs_the_groups_as_wgmma_kernels(caplog):
-    """``get_pipeline(..., hopper_elementwise=True)`` on sm_90a: BERT's projections and FFN1
+    """``get_pipeline(..., hopper_groups=(..., "elementwise"))`` on sm_90a: BERT's projections and FFN1
     become wgmma kernels beside the post-norm ones (linked, nvcc-compiled); without the flag
     they stay with the rule."""
     with caplog.at_level(logging.INFO, logger="tvm_comfuse"):
-        ex = runtime.compile_module(_bert(), SM90A, hopper=True, hopper_elementwise=True)
+        ex = runtime.compile_module(_bert(), SM90A, hopper=True, hopper_groups=("post_norm", "elementwise"))
     names = codegen.kernel_names(codegen.cuda_source(ex))
     assert len([k for k in names if k.startswith("comfuse_wgmma_ew_")]) == 3
     assert "4 GEMM + elementwise group(s) run as 3 wgmma kernel(s), 3 writing the layout" in caplog.text
@@ -217,12 +217,18 @@ def test_bert_sized_kernels_compile_without_spills_or_hazards(mnk, spec):
     assert "HGMMA" in sass and codegen.wgmma_hazards(sass) == []
 
 
-def test_elementwise_offload_is_opt_in():
-    """The pipeline adds the pass only with ``hopper_elementwise=True`` on a target where the
-    post-norm offload runs (sm_90, ``hopper`` not False)."""
+def test_opt_in_hopper_groups():
+    """The pipeline adds the elementwise and attention passes only when ``hopper_groups`` names
+    them, on a target where the Hopper offload runs (sm_90, ``hopper`` not False), the attention
+    one first; an unknown group name is an error that lists the known ones."""
 
-    def offloads(target, **kw):
-        return any(isinstance(p, OffloadHopperElementwise) for p in cf.pipeline.fusion_passes(tvm.target.Target(target), **kw))
+    def passes(target, **kw):
+        return [type(p).__name__ for p in cf.pipeline.fusion_passes(tvm.target.Target(target), **kw) if "Offload" in type(p).__name__]
 
-    assert offloads(SM90A, hopper_elementwise=True) and not offloads(SM90A)
-    assert not offloads(SM90A, hopper=False, hopper_elementwise=True) and not offloads("llvm", hopper_elementwise=True)
+    assert passes(SM90A) == ["OffloadHopperPostNorm"]
+    assert passes(SM90A, hopper_groups=cf.pipeline.HOPPER_GROUPS) == ["OffloadHopperPostNorm", "OffloadHopperAttention",
+                                                                     "OffloadHopperElementwise"]
+    assert passes(SM90A, hopper_groups=["elementwise"]) == ["OffloadHopperElementwise"]
+    assert passes(SM90A, hopper=False, hopper_groups=["elementwise"]) == [] and passes("llvm", hopper_groups=["attention"]) == []
+    with pytest.raises(cf.ComFuseError, match="post_norm, attention, elementwise"):
+        cf.pipeline.fusion_passes(tvm.target.Target(SM90A), hopper_groups=["softmax"])

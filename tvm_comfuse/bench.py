@@ -7,8 +7,8 @@ default pipeline: DLight; and, when asked, tuned by MetaSchedule's stock rules w
 budget ComFuse's logs had) and ComFuse (its default pipeline: on sm_90 the Hopper wgmma
 kernels; ``comfuse_mma_sync``: the portable mma.sync rule, untuned; ``comfuse_tuned``: the
 default pipeline with the shipped tuning logs, the wgmma kernels' tuned configurations on sm_90;
-``comfuse_hopper_elementwise``, models only: the default pipeline with the GEMM + elementwise
-groups on the wgmma kernel too, opt-in until measured). Each contender's output is checked against a float32
+``comfuse_hopper_all``, models only: the default pipeline with every Hopper kernel, the
+attention and GEMM + elementwise ones too, opt-in until measured). Each contender's output is checked against a float32
 PyTorch reference before it is timed; a wrong result is reported and not timed. Two times
 per call: device time (sum of kernel durations from the CUDA profiler, so launch and VM
 overhead are excluded) and wall time (CUDA events around back-to-back calls, best of 3).
@@ -24,10 +24,11 @@ import subprocess
 from dataclasses import asdict, dataclass
 
 from . import workloads
+from .pipeline import HOPPER_GROUPS
 from .runtime import compile_module
 
 CONTENDERS = ("cublas_gemm", "eager", "inductor", "inductor_max_autotune", "tvm_dlight", "tvm_metaschedule", "comfuse",
-              "comfuse_mma_sync", "comfuse_tuned", "comfuse_hopper_elementwise")
+              "comfuse_mma_sync", "comfuse_tuned", "comfuse_hopper_all")
 #: MetaSchedule trials per task for ``tvm_metaschedule``: the budget ``comfuse tune`` gave the
 #: shipped logs (64 per shape, one ComFuse task each).
 VANILLA_TRIALS = 64
@@ -110,8 +111,8 @@ def kernel_us(torch, fn, iters: int = 20, top: int = 16) -> tuple:
     return sum(e.device_time for e in events) / iters, len(events) / iters, breakdown
 
 
-def _tvm_callable(torch, mod, args, comfuse: bool, target, database=None, hopper: bool | None = None, hopper_elementwise=False):
-    ex = compile_module(mod, target, comfuse=comfuse, database=database, hopper=hopper, hopper_elementwise=hopper_elementwise)
+def _tvm_callable(torch, mod, args, comfuse: bool, target, database=None, hopper: bool | None = None, hopper_groups=None):
+    ex = compile_module(mod, target, comfuse=comfuse, database=database, hopper=hopper, hopper_groups=hopper_groups)
     return _vm_callable(torch, ex, args)
 
 
@@ -264,7 +265,7 @@ def run_model(name: str, batch: int, seq: int, which=CONTENDERS, log=print) -> l
             contenders["inductor"] = (lambda: compiled(xh), lambda: compiled(xh))
         rows = []
         shape = f"{name}-b{batch}-s{seq}"
-        models = ("eager", "inductor", "tvm_dlight", "comfuse_mma_sync", "comfuse_tuned", "comfuse", "comfuse_hopper_elementwise")
+        models = ("eager", "inductor", "tvm_dlight", "comfuse_mma_sync", "comfuse_tuned", "comfuse", "comfuse_hopper_all")
         for contender in [c for c in models if c in which]:
             row = Row(shape, batch * seq, hidden, hidden, "encoder", "float16", contender)
             if contender in contenders:
@@ -276,7 +277,7 @@ def run_model(name: str, batch: int, seq: int, which=CONTENDERS, log=print) -> l
             try:
                 hopper = False if contender == "comfuse_mma_sync" else None
                 fn, fn_out = _tvm_callable(torch, mod, [x], contender != "tvm_dlight", target, logs, hopper,
-                                           hopper_elementwise=contender == "comfuse_hopper_elementwise")
+                                           hopper_groups=HOPPER_GROUPS if contender == "comfuse_hopper_all" else None)
             except Exception as err_:  # pylint: disable=broad-except
                 fn, fn_out = _raise(err_), None
             rows.append(_timed(torch, row, fn, fn_out, ref, MODEL_TOLERANCE, log))

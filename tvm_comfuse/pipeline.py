@@ -22,7 +22,8 @@ from tvm.s_tir import meta_schedule as ms
 from .errors import ComFuseError
 from .schedule import GemmRowTile
 from .target import is_gpu, parse_target
-from .transform import AnnotateFusedBlocks, FuseComputeMemory, OffloadHopperElementwise, OffloadHopperPostNorm
+from .transform import (AnnotateFusedBlocks, FuseComputeMemory, OffloadHopperAttention, OffloadHopperElementwise,
+                        OffloadHopperPostNorm)
 from .transform.fuse_compute_memory import KIND_ATTR
 from .transform.offload_hopper import uses_hopper
 
@@ -112,16 +113,37 @@ def vanilla_fusion_passes():
     ]
 
 
-def fusion_passes(target=None, hopper: bool | None = None, database=None, build=None, hopper_elementwise: bool = False):
-    """FuseComputeMemory (and, with ``hopper``, the wgmma kernels for the post-norm groups they
-    take, configured from ``database`` where it has their records; ``None``: on sm_90 targets;
-    with ``hopper_elementwise`` too, those for the GEMM + elementwise groups), then the vanilla
-    legalisation and fusion of the rest, then the annotation of the fused PrimFuncs: everything
-    up to scheduling. ``build``: as :class:`OffloadHopperPostNorm`'s."""
-    offload = [OffloadHopperPostNorm(target, build, database)] if target is not None and uses_hopper(target, hopper) else []
-    if offload and hopper_elementwise:
-        offload.append(OffloadHopperElementwise(target, build))
-    return [FuseComputeMemory(target=target, hopper=bool(offload)), *offload, *vanilla_fusion_passes(), AnnotateFusedBlocks()]
+#: The Hopper kernels ComFuse has, by the groups they take: ``post_norm`` (GEMM + row norm),
+#: ``attention`` (multi-head attention), ``elementwise`` (GEMM + elementwise chain).
+HOPPER_GROUPS = ("post_norm", "attention", "elementwise")
+#: Those ``get_pipeline`` runs on sm_90 unless told otherwise: the measured ones (the others were
+#: written in session 14 without a GPU and stay opt-in until they have run on one).
+DEFAULT_HOPPER_GROUPS = ("post_norm",)
+
+
+def _hopper_groups(groups) -> tuple:
+    groups = DEFAULT_HOPPER_GROUPS if groups is None else tuple(groups)
+    unknown = sorted(set(groups) - set(HOPPER_GROUPS))
+    if unknown:
+        raise ComFuseError(f"hopper_groups {unknown}: ComFuse's Hopper kernels take {', '.join(HOPPER_GROUPS)}")
+    return groups
+
+
+def fusion_passes(target=None, hopper: bool | None = None, database=None, build=None, hopper_groups=None):
+    """FuseComputeMemory (and, with ``hopper`` (``None``: on sm_90 targets), the wgmma kernels of
+    ``hopper_groups`` (default :data:`DEFAULT_HOPPER_GROUPS`), the post-norms configured from
+    ``database`` where it has their records), then the vanilla legalisation and fusion of the
+    rest, then the annotation of the fused PrimFuncs: everything up to scheduling. ``build``: as
+    :class:`OffloadHopperPostNorm`'s. The attention pass runs before the elementwise one, which
+    folds the casts and the transpose it leaves on the projections' outputs into their kernels."""
+    groups = _hopper_groups(hopper_groups)
+    offload = []
+    if target is not None and uses_hopper(target, hopper):
+        offload += [OffloadHopperPostNorm(target, build, database)] if "post_norm" in groups else []
+        offload += [OffloadHopperAttention(target, build)] if "attention" in groups else []
+        offload += [OffloadHopperElementwise(target, build)] if "elementwise" in groups else []
+    keeps = bool(offload) and "post_norm" in groups  # groups the rule declines stay whole for the post-norm kernel
+    return [FuseComputeMemory(target=target, hopper=keeps), *offload, *vanilla_fusion_passes(), AnnotateFusedBlocks()]
 
 
 def schedule_passes(target: tvm.target.Target, database=None, static: dict | None = None):
@@ -209,7 +231,7 @@ def _backend(target: tvm.target.Target):
     return importlib.import_module(f"tvm.relax.backend.{name}.pipeline")
 
 
-def get_pipeline(target, database=None, hopper: bool | None = None, hopper_elementwise: bool = False) -> tvm.transform.Pass:
+def get_pipeline(target, database=None, hopper: bool | None = None, hopper_groups=None) -> tvm.transform.Pass:
     """The Relax pipeline for ``tvm.compile(mod, target, relax_pipeline=get_pipeline(target))``.
 
     Parameters
@@ -229,10 +251,13 @@ def get_pipeline(target, database=None, hopper: bool | None = None, hopper_eleme
         targets, where it measured faster than the rule on every suite shape (H200, session 8:
         1.02-2.7x, and 5.5x over vanilla TVM at 8192x4096x4096, which the rule cannot fuse);
         ``False`` keeps the portable mma.sync rule.
-    hopper_elementwise : bool, optional
-        With ``hopper``, also run the GEMM + elementwise groups (``gelu(x @ w.T + b)``, ``x @ w.T
-        + b``) the Hopper kernel takes as that kernel (:mod:`tvm_comfuse.transform.offload_hopper_elementwise`).
-        Off by default until it has run on a GPU.
+    hopper_groups : sequence of str, optional
+        With ``hopper``, which groups run as Hopper kernels (:data:`HOPPER_GROUPS`): the default
+        ``("post_norm",)``; add ``"attention"`` (multi-head attention in one kernel,
+        :mod:`tvm_comfuse.transform.offload_hopper_attention`) and ``"elementwise"`` (``gelu(x @
+        w.T + b)``, ``x @ w.T + b``, writing attention's head layout where it follows:
+        :mod:`tvm_comfuse.transform.offload_hopper_elementwise`), both written without a GPU and
+        opt-in until they have run on one.
     """
     from .tune.logs import read_meta  # pylint: disable=import-outside-toplevel  (tune imports us)
     from .tune.representative import counterparts  # pylint: disable=import-outside-toplevel
@@ -251,7 +276,7 @@ def get_pipeline(target, database=None, hopper: bool | None = None, hopper_eleme
             static = counterparts(mod, target, bind) if bind and is_gpu(target) else {}
             seq = tvm.transform.Sequential(
                 backend.library_dispatch_passes(target)
-                + fusion_passes(target, hopper, database, hopper_elementwise=hopper_elementwise)
+                + fusion_passes(target, hopper, database, hopper_groups=hopper_groups)
                 + schedule_passes(target, database, static)
                 + backend.dataflow_lower_passes(target)
                 + backend.finalize_passes(target)

@@ -14,19 +14,19 @@ from .target import parse_target, tuning_target
 
 
 def compile_module(mod: tvm.IRModule, target, comfuse: bool = True, database=None, hopper: bool | None = None,
-                   hopper_elementwise: bool = False):
+                   hopper_groups=None):
     """``tvm.compile`` with ComFuse's Relax and TIR pipelines, or TVM's defaults (``comfuse=False``).
 
     The TIR pipeline and pass config carry the TVM 0.27 workarounds the tensor-core kernels
     need (:mod:`tvm_comfuse.schedule.lowering`); the rest of the module lowers as usual.
     ``hopper``: the wgmma kernels for the post-norm groups they take (``None``: on sm_90; see
-    ``get_pipeline``); ``hopper_elementwise``: also for the GEMM + elementwise groups.
+    ``get_pipeline``); ``hopper_groups``: which groups (``get_pipeline``'s).
     """
     target = parse_target(target)
     if not comfuse:
         return tvm.compile(mod, target=target, relax_pipeline="default")
     with tvm.transform.PassContext(opt_level=3, config=PASS_CONFIG):
-        return tvm.compile(mod, target=target, relax_pipeline=get_pipeline(target, database, hopper, hopper_elementwise),
+        return tvm.compile(mod, target=target, relax_pipeline=get_pipeline(target, database, hopper, hopper_groups),
                            tir_pipeline=TIR_PIPELINE)
 
 

@@ -5,4 +5,5 @@ from .annotate_blocks import ROLE_ATTR, ROLES, AnnotateFusedBlocks, block_roles
 from .fuse_compute_memory import GROUPS_ATTR, KIND_ATTR, FuseComputeMemory, analyze
 from .hoist_row_reshape import HoistRowReshape
 from .offload_hopper import OffloadHopperPostNorm
+from .offload_hopper_attention import OffloadHopperAttention
 from .offload_hopper_elementwise import OffloadHopperElementwise

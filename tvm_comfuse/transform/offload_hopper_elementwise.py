@@ -13,7 +13,7 @@ for it and the call becomes ``R.call_dps_packed`` of it, as OffloadHopperPostNor
 else (another op, a second output, an unused binding, shapes the kernel cannot take) is left to
 the ``gemm_elementwise`` rule.
 
-Off by default (``get_pipeline(target, hopper_elementwise=True)`` turns it on): written and
+Off by default (``get_pipeline(target, hopper_groups=(..., "elementwise"))`` turns it on): written and
 checked on CPU in session 14 (the generated code compiles for sm_90a without spills or
 accumulator hazards; the NumPy model of the kernel in its place gives the graph's values), not
 yet run on a GPU. Why it should pay: BERT-base's FFN1 + GELU took 102 us a layer under the rule

@@ -1,0 +1,167 @@
+"""OffloadHopperAttention on CPU: which attentions it takes, that the rewritten graph computes the
+same values (the kernels' NumPy models in their place, on llvm) with no head split, merge,
+softmax or batched matmul left as kernels of their own, and that the kernel compiles for sm_90a
+without spills or accumulator hazards."""
+
+import numpy as np
+import pytest
+import torch
+import tvm
+from tvm import relax
+
+from tvm_comfuse import codegen
+from tvm_comfuse import workloads as wl
+from tvm_comfuse.schedule import wgmma_attention as wa
+from tvm_comfuse.schedule import wgmma_mainloop as wm
+from tvm_comfuse.transform import FuseComputeMemory, OffloadHopperAttention, OffloadHopperElementwise, OffloadHopperPostNorm
+from tvm_comfuse.transform.offload_hopper_attention import _plans
+
+from test_offload_hopper_elementwise import _numpy_kernels as _group_kernels
+from test_offload_hopper_elementwise import SM90A, _random, _run_llvm
+
+
+def _numpy_kernels(calls):
+    """A ``build`` for the three passes: the attention kernel's NumPy model, or a group's."""
+    groups = _group_kernels(calls)
+
+    def build(func, symbol, spec, mnk):
+        if not isinstance(spec, wa.Attention):
+            return groups(func, symbol, spec, mnk)
+
+        def run(q, k, vt, out):
+            out.copyfrom(wa.reference(spec, q.numpy(), k.numpy(), vt.numpy()).reshape(out.shape))
+            calls.append(symbol)
+
+        tvm.register_global_func(symbol, run, override=True)
+        return None
+
+    return build
+
+
+def _bert(seq=64):
+    return wl.bert_encoder(layers=1, hidden=128, heads=2, batch=2, seq=seq, dtype="float16")[0]
+
+
+def _grouped(mod):
+    """FuseComputeMemory as it groups for sm_90 (where the attention's scores are left to vanilla
+    fusion): the module still compiles for llvm, where the tests run it."""
+    with tvm.target.Target(SM90A):
+        return FuseComputeMemory(target=SM90A, hopper=True)(mod)
+
+
+def _attention(b=2, s=64, h=2, d=64, scale_op="multiply", extra_output=False):
+    """A standalone attention as PyTorch exports it: heads split from ``[B, S, H * D]`` inputs,
+    ``softmax(q @ k.T * scale)`` in fp32, heads merged."""
+    bb = relax.BlockBuilder()
+    ins = [relax.Var(n, relax.TensorType((b, s, h * d), "float16")) for n in "qkv"]
+    with bb.function("main", ins):
+        with bb.dataflow():
+            heads = [bb.emit(relax.op.permute_dims(bb.emit(relax.op.reshape(x, (b, s, h, d))), [0, 2, 1, 3])) for x in ins]
+            q, k, v = (bb.emit(relax.op.reshape(x, (b * h, s, d))) for x in heads)
+            kt = bb.emit(relax.op.permute_dims(k, [0, 2, 1]))
+            scores = bb.emit(relax.op.matmul(q, kt, out_dtype="float16"))
+            const = relax.const(0.125 if scale_op == "multiply" else 8.0, "float16")
+            scaled = bb.emit(relax.op.multiply(scores, const) if scale_op == "multiply" else relax.op.divide(scores, const))
+            p32 = bb.emit(relax.op.nn.softmax(bb.emit(relax.op.astype(scaled, "float32")), axis=-1))
+            p = bb.emit(relax.op.astype(p32, "float16"))
+            ctx = bb.emit(relax.op.matmul(p, v, out_dtype="float16"))
+            merged = bb.emit(relax.op.reshape(bb.emit(relax.op.permute_dims(bb.emit(relax.op.reshape(ctx, (b, h, s, d))), [0, 2, 1, 3])),
+                                              (b * s, h * d)))
+            out = bb.emit_output(relax.Tuple([merged, p32]) if extra_output else merged)
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_bert_attention_is_read_as_the_kernel_describes_it():
+    """An imported BERT layer's attention (split heads through reshape, two transposes, no-op
+    broadcasts and casts; scores in fp16 scaled by 1/8; softmax in fp32) is one match."""
+    (spec, sources, final, skipped), = _plans(_grouped(_bert()))
+    assert spec == wa.Attention(2, 2, 64, 64, "float16", "float16", 0.125, "multiply", "float16")
+    assert all(str(s.ty.dtype) == "float32" for s in sources)  # the projections' outputs, before their casts
+    assert [int(x) for x in final.ty.shape.values] == [2, 64, 128] and len(skipped) > 20  # the heads merged, as the next GEMM reads them
+
+
+@pytest.mark.parametrize("scale_op", ["multiply", "divide"])
+def test_offloaded_attention_computes_what_the_graph_does(scale_op):
+    """A standalone attention becomes one kernel call (and the casts and transpose of its inputs)
+    and gives vanilla TVM's values with the kernel's NumPy model in its place."""
+    mod = _attention(scale_op=scale_op)
+    arrays = _random(mod["main"].params)
+    calls = []
+    offloaded = OffloadHopperAttention("llvm", build=_numpy_kernels(calls))(mod)
+    script = offloaded["main"].script()
+    assert "R.nn.softmax" not in script and "R.matmul" not in script and "call_dps_packed" in script
+    (got,), (want,) = _run_llvm(offloaded, arrays), _run_llvm(mod, arrays)
+    assert len(calls) == 1 and np.abs(got - want).max() <= 2e-2
+
+
+def test_offloaded_bert_layer_runs_attention_and_projections_as_kernels():
+    """All three passes on an imported BERT layer: the attention is one kernel, its inputs come
+    from the projections' kernels in the layouts it reads (no head split or merge, softmax or
+    batched matmul left in the graph), and the encoder's output matches vanilla TVM's."""
+    mod = _bert()
+    arrays = _random(mod["main"].params)
+    calls = []
+    build = _numpy_kernels(calls)
+    out = _grouped(mod)
+    for p in (OffloadHopperPostNorm("llvm", build=build), OffloadHopperAttention("llvm", build=build),
+              OffloadHopperElementwise("llvm", build=build)):
+        out = p(out)
+    script = out["main"].script()
+    for op in ("R.nn.softmax", "R.matmul", "R.permute_dims"):
+        assert op not in script, op
+    got, want = _run_llvm(out, arrays), _run_llvm(mod, arrays)
+    assert len([c for c in calls if "attention" in c]) == 1 and len([c for c in calls if "_ew_" in c]) == 4
+    assert all(np.abs(g - w).max() <= 5e-2 for g, w in zip(got, want))
+
+
+def test_attentions_the_kernel_cannot_take_are_left_alone(caplog):
+    """Probabilities also returned (an intermediate another op reads) are not matched; a 256-key
+    sequence is matched but too long for the kernel's registers, and says so."""
+    assert _plans(_attention(extra_output=True)) == []
+    long = _attention(s=256)
+    with caplog.at_level("INFO", logger="tvm_comfuse"):
+        assert OffloadHopperAttention("llvm", build=_numpy_kernels([]))(long).same_as(long)
+    assert "sequence 256" in caplog.text
+
+
+def test_the_kernels_model_is_attention():
+    """The NumPy model (the oracle above) against PyTorch's softmax attention in fp32."""
+    spec = wa.Attention(2, 3, 64, 64)
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((2, 64, 3, 64)).astype("float16") for _ in range(3))
+    vt = v.transpose(0, 2, 3, 1).reshape(2 * 3 * 64, 64)
+    got = wa.reference(spec, q.reshape(128, 192), k.reshape(128, 192), vt).astype(np.float32)
+    qt, kt, vv = (torch.from_numpy(a).float().permute(0, 2, 1, 3) for a in (q, k, v))
+    want = (torch.softmax(qt @ kt.transpose(-1, -2) * 0.125, -1) @ vv).permute(0, 2, 1, 3).reshape(128, 192)
+    assert np.abs(got - want.numpy()).max() <= 1e-2
+
+
+@pytest.mark.skipif(not codegen.have_nvcc(), reason="nvcc is not installed")
+@pytest.mark.parametrize("spec", [wa.Attention(32, 12, 128), wa.Attention(4, 2, 64),
+                                  wa.Attention(2, 4, 128, 128, "bfloat16", "bfloat16", 8.0, "divide")])
+def test_attention_kernel_compiles_without_spills_or_hazards(spec):
+    """BERT-base's attention (and a 64-key, a bf16 128-wide-head one): ptxas keeps the scores,
+    probabilities and outputs in registers, and no SASS instruction reads an accumulator a wgmma
+    may still write; the softmax's quad reductions are shuffles."""
+    if codegen.nvdisasm() is None:
+        pytest.fail("nvdisasm is missing: pip install nvidia-cuda-nvdisasm (the test extra)")
+    source = codegen.cuda_source(wm.build(wa.wgmma_attention(spec)))
+    assert codegen.ptxas_usage(source)["spill"] == 0 and source.count("__shfl_xor_sync") == 8
+    sass = codegen.sass(codegen.compile_with_nvcc(source, "sm_90a"))
+    assert "HGMMA" in sass and codegen.wgmma_hazards(sass) == []
+
+
+@pytest.mark.skipif(not codegen.have_nvcc(), reason="nvcc is not installed")
+def test_sm90a_compile_runs_bert_on_the_hopper_kernels(caplog):
+    """``get_pipeline(..., hopper_groups=HOPPER_GROUPS)`` on sm_90a: the layer's attention is one
+    wgmma kernel, its projections and FFN1 three GEMM + elementwise ones (Q and K share one),
+    all linked and compiled by nvcc."""
+    from tvm_comfuse import pipeline, runtime  # pylint: disable=import-outside-toplevel
+
+    with caplog.at_level("INFO", logger="tvm_comfuse"):
+        ex = runtime.compile_module(_bert(), SM90A, hopper=True, hopper_groups=pipeline.HOPPER_GROUPS)
+    names = codegen.kernel_names(codegen.cuda_source(ex))
+    assert len([k for k in names if k.startswith("comfuse_wgmma_attention_")]) == 1
+    assert len([k for k in names if k.startswith("comfuse_wgmma_ew_")]) == 3
+    assert "1 attention(s) run as 1 wgmma kernel(s)" in caplog.text

@@ -1,0 +1,267 @@
+"""OffloadHopperAttention: multi-head attention to one wgmma kernel on sm_90 (opt-in, issue 5).
+
+Runs after FuseComputeMemory and before OffloadHopperElementwise, on the caller's dataflow. An
+attention as an imported HuggingFace encoder computes it,
+
+    q, k, v [B, S, H * D]  -> split into heads (reshape, permute_dims, casts) -> [B * H, S, D] (k: [B * H, D, S])
+    softmax(cast(scale * matmul(q, k))) -> cast -> matmul(p, v) -> [B * H, S, D]
+        -> heads merged (permute_dims, reshapes) -> [B * S, H * D]
+
+becomes one call of :func:`~tvm_comfuse.schedule.wgmma_attention.wgmma_attention` on ``q`` and
+``k`` cast to the kernel's dtype and ``v`` transposed to ``[B * H * D, S]``, written as Relax
+ops in the kernel's place: OffloadHopperElementwise then folds those casts and that transpose
+into the projections that produce ``q``, ``k`` and ``v``, so no head split or merge runs as a
+kernel of its own. The layout ops are checked by running them on an index array (NumPy): any
+sequence of reshapes, transposes and no-op broadcasts that arranges the elements as attention
+needs is accepted, nothing that does not.
+
+Off by default (``get_pipeline(..., hopper_groups=...)``): written and checked on CPU in session
+14 (the kernel compiles for sm_90a without spills or hazards; the NumPy model in its place gives
+the graph's values), not yet run on a GPU. Why it should pay: at BERT-base, batch 32 x 128, the
+attention's softmax, batched matmuls and head transposes took 2113 of ComFuse's 5346 us on the
+H200 (session 10), for ~25 MB of traffic a layer.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import numpy as np
+import tvm
+from tvm import relax
+from tvm.relax.expr_functor import PyExprMutator, mutator
+
+from ..graph import ops
+from ..target import parse_target
+from .offload_hopper import EXTERNAL_MODS, _sinfo, build_kernel, is_hopper
+
+LOG = logging.getLogger("tvm_comfuse")
+_LAYOUT = (ops.RESHAPE, ops.TRANSPOSE, ops.BROADCAST, "relax.astype")
+
+
+def _back(var, var2val):
+    """``(source, layout calls from the source on)``: ``var`` walked back through layout ops."""
+    calls = []
+    while isinstance(var2val.get(var), relax.Call) and ops.op_name(var2val[var]) in _LAYOUT:
+        calls.append(var2val[var])
+        var = var2val[var].args[0]
+    return var, calls[::-1]
+
+
+def _arrange(shape, calls):
+    """Run ``calls`` (reshapes, transposes, broadcasts to the same shape, casts) on an index
+    array of ``shape``: ``(indices, cast dtypes)``, or None where one is not a pure layout op."""
+    a, casts = np.arange(math.prod(shape)).reshape(shape), []
+    for call in calls:
+        shape_out, dtype = _sinfo(call)
+        if shape_out is None:
+            return None
+        name = ops.op_name(call)
+        if name == ops.RESHAPE and math.prod(shape_out) == a.size:
+            a = a.reshape(shape_out)
+        elif name == ops.TRANSPOSE:
+            a = a.transpose([int(x) for x in call.attrs.axes] if call.attrs.axes is not None else None)
+        elif name == ops.BROADCAST and list(a.shape) == shape_out:
+            pass
+        elif name == "relax.astype":
+            casts.append(dtype)
+        else:
+            return None
+    return a, casts
+
+
+def _scalar(expr, var2val):
+    """The value of a scalar constant (possibly cast), or None."""
+    while isinstance(expr, relax.Var) and expr in var2val:
+        expr = var2val[expr]
+    if isinstance(expr, relax.Call) and ops.op_name(expr) == "relax.astype":
+        return _scalar(expr.args[0], var2val)
+    if isinstance(expr, tvm.ir.expr.Constant) and expr.value.numpy().size == 1:
+        return float(expr.value.numpy().reshape(()))
+    return None
+
+
+def match_attention(mm2, var2val, users):
+    """For the binding ``mm2 = matmul(p, v)`` of a dataflow block: ``(spec, (q, k, v), final
+    var, skipped vars)`` if it ends an attention the kernel takes (see the module docstring),
+    else None. ``q``, ``k``, ``v`` are the sources before the head split; the final var is the
+    merged-heads value the kernel writes; the skipped vars are every binding it replaces."""
+    from ..schedule.wgmma_attention import Attention  # pylint: disable=import-outside-toplevel
+
+    call = var2val[mm2]
+    if ops.op_name(call) != ops.GEMM:
+        return None
+    p_src, p_calls = _back(call.args[0], var2val)
+    v_src, v_calls = _back(call.args[1], var2val)
+    soft = var2val.get(p_src)
+    if not isinstance(soft, relax.Call) or ops.op_name(soft) != "relax.nn.softmax" or not ops.reduces_last_axis(soft):
+        return None
+    x, chain = soft.args[0], []  # back from the softmax: a cast to fp32, the scaling, layout ops to the first matmul
+    while isinstance(var2val.get(x), relax.Call) and ops.op_name(var2val[x]) in (*_LAYOUT, "relax.multiply", "relax.divide"):
+        chain.append(var2val[x])
+        x = var2val[x].args[0]
+    mm1 = var2val.get(x)
+    if not isinstance(mm1, relax.Call) or ops.op_name(mm1) != ops.GEMM:
+        return None
+    scaling = [c for c in chain if ops.op_name(c) in ("relax.multiply", "relax.divide")]
+    casts = [c for c in chain if ops.op_name(c) == "relax.astype"]
+    if len(scaling) != 1 or [_sinfo(c)[1] for c in casts] != ["float32"] or not chain[0].same_as(casts[0]):
+        return None
+    if _sinfo(scaling[0])[1] != _sinfo(mm1)[1]:
+        return None  # scaled in another dtype than the scores: not what the kernel rounds
+    scale = _scalar(scaling[0].args[1], var2val)
+    q_src, q_calls = _back(mm1.args[0], var2val)
+    k_src, k_calls = _back(mm1.args[1], var2val)
+    qh_shape, src_shape = _sinfo(mm1.args[0])[0], _sinfo(q_src)[0]
+    if scale is None or qh_shape is None or len(qh_shape) != 3 or src_shape is None:
+        return None
+    bh, s, d = qh_shape
+    if _sinfo(mm1)[0] != [bh, s, s] or _sinfo(mm2)[0] != [bh, s, d] or src_shape[-1] % d:
+        return None
+    h = src_shape[-1] // d
+    b = bh // h
+    if b * h != bh or math.prod(src_shape) != b * s * h * d or any(_sinfo(v)[0] != src_shape for v in (k_src, v_src)):
+        return None
+    heads = np.arange(b * s * h * d).reshape(b, s, h, d).transpose(0, 2, 1, 3).reshape(bh, s, d)
+    want = {"q": heads, "k": heads.transpose(0, 2, 1), "v": heads}
+    dtypes = set()
+    for name, calls in (("q", q_calls), ("k", k_calls), ("v", v_calls)):
+        got = _arrange(src_shape, calls)
+        if got is None or len(got[1]) > 1 or got[0].shape != want[name].shape or not np.array_equal(got[0], want[name]):
+            return None
+        dtypes.add(got[1][0] if got[1] else _sinfo(q_src if name == "q" else k_src if name == "k" else v_src)[1])
+    p_got = _arrange(_sinfo(p_src)[0], p_calls)
+    if len(dtypes) != 1 or p_got is None or p_got[1] != list(dtypes) or not np.array_equal(p_got[0].reshape(-1), np.arange(bh * s * s)):
+        return None
+    scores = _arrange([bh, s, s], [c for c in chain[::-1] if ops.op_name(c) in _LAYOUT[:3]])
+    if scores is None or not np.array_equal(scores[0].reshape(-1), np.arange(bh * s * s)):
+        return None
+    # forward from the second matmul: the merged heads, [B * S, H * D] in memory order
+    merged = np.arange(bh * s * d).reshape(b, h, s, d).transpose(0, 2, 1, 3).reshape(-1)
+    cur, tail, final, out_calls = mm2, [], None, []
+    while len(users.get(cur, [])) == 1 and isinstance(users[cur][0], relax.DataflowVar):
+        nxt = users[cur][0]
+        if ops.op_name(var2val[nxt]) not in _LAYOUT or not var2val[nxt].args[0].same_as(cur):
+            break
+        out_calls.append(var2val[nxt])
+        tail.append(nxt)
+        got = _arrange([bh, s, d], out_calls)
+        if got is None or len(got[1]) > 1:
+            break
+        if np.array_equal(got[0].reshape(-1), merged):
+            final = (nxt, len(tail))
+        cur = nxt
+    if final is None:
+        return None
+    final_var, used = final
+    spec = Attention(b, h, s, d, dtypes.pop(), _sinfo(mm1)[1], scale, ops.op_name(scaling[0])[len("relax."):], _sinfo(final_var)[1])
+    skipped = [*_chain_vars(call.args[0], var2val), *_chain_vars(call.args[1], var2val), *_chain_vars(mm1.args[0], var2val),
+               *_chain_vars(mm1.args[1], var2val), mm2, *tail[:used]]
+    skipped += [v for v, val in var2val.items() if any(val.same_as(c) for c in (soft, mm1, *chain))]
+    if any(u not in skipped for v in skipped if v is not final_var for u in users.get(v, [])):
+        return None  # an intermediate value something else reads: keep the graph as it is
+    return spec, (q_src, k_src, v_src), final_var, skipped
+
+
+def _chain_vars(var, var2val):
+    found = []
+    while isinstance(var2val.get(var), relax.Call) and ops.op_name(var2val[var]) in _LAYOUT:
+        found.append(var)
+        var = var2val[var].args[0]
+    return found
+
+
+@mutator
+class _AttentionRewriter(PyExprMutator):  # pylint: disable=abstract-method
+    """Emit each planned attention's kernel call (and the casts and transpose of its inputs) at
+    its final binding, drop the bindings it replaces."""
+
+    def __init__(self, mod, plans):
+        super().__init__(mod)
+        self.plans = plans  # final var -> (symbol, spec, (q, k, v)); skipped vars
+        self.skipped = {v for plan in plans.values() for v in plan[3]}
+
+    def visit_var_binding_(self, binding):  # pylint: disable=arguments-renamed
+        if binding.var in self.plans:
+            symbol, spec, (q, k, v), _ = self.plans[binding.var]
+            q, k, v = (self.visit_expr(a) for a in (q, k, v))
+            emit = self.builder_.emit
+            q16, k16 = (emit(relax.op.astype(a, spec.dtype)) if _sinfo(a)[1] != spec.dtype else a for a in (q, k))
+            b, h, s, d = spec.batch, spec.heads, spec.seq, spec.head_dim
+            vt = emit(relax.op.reshape(v, (b, s, h, d)))
+            vt = emit(relax.op.permute_dims(vt, [0, 2, 3, 1]))
+            vt = emit(relax.op.astype(vt, spec.dtype)) if _sinfo(v)[1] != spec.dtype else vt
+            vt = emit(relax.op.reshape(vt, (b * h * d, s)))
+            out = relax.TensorType(_sinfo(binding.var)[0], spec.out_dtype)
+            self.set_var_remap(binding.var, emit(relax.call_dps_packed(relax.ExternFunc(symbol), relax.Tuple([q16, k16, vt]), out),
+                                                 binding.var.name))
+            return
+        if binding.var in self.skipped:
+            return
+        super().visit_var_binding_(binding)
+
+
+def _plans(mod: tvm.IRModule) -> list:
+    """``(final var, spec, sources, skipped vars, tensor shapes)`` of every attention in ``mod``'s functions."""
+    found = []
+    for _, func in mod.functions_items():
+        if not isinstance(func, relax.Function) or not isinstance(func.body, relax.SeqExpr):
+            continue
+        for block in func.body.blocks:
+            if not isinstance(block, relax.DataflowBlock):
+                continue
+            from .offload_hopper_elementwise import _users  # pylint: disable=import-outside-toplevel
+
+            var2val, users = {b.var: b.value for b in block.bindings}, _users(block, func.body.body)
+            for binding in block.bindings:
+                if isinstance(binding.value, relax.Call) and ops.op_name(binding.value) == ops.GEMM:
+                    matched = match_attention(binding.var, var2val, users)
+                    if matched is not None:
+                        found.append(matched)
+    return found
+
+
+@tvm.transform.module_pass(opt_level=0, name="OffloadHopperAttention")
+class OffloadHopperAttention:  # pylint: disable=too-few-public-methods
+    """Replace the attentions the wgmma kernel takes by calls of it (see the module docstring);
+    a no-op unless ``target`` is an sm_90 CUDA target or ``build`` is given. ``build(prim_func,
+    symbol, spec, None)`` as OffloadHopperPostNorm's; identical attentions (a model's layers)
+    share one kernel."""
+
+    def __init__(self, target, build=None):
+        self.target = parse_target(target)
+        self.build = build
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        from ..schedule.wgmma_attention import wgmma_attention  # pylint: disable=import-outside-toplevel
+
+        if self.build is None and not is_hopper(self.target):
+            return mod
+        build = self.build or (lambda func, symbol, _spec, _mnk: build_kernel(func, symbol, self.target))
+        plans, symbols, built = {}, {}, []
+        for spec, sources, final, skipped in _plans(mod):
+            why = spec.problems()
+            if why:
+                LOG.info("ComFuse: an attention stays with vanilla fusion, the wgmma kernel cannot take %s", "; ".join(why))
+                continue
+            key = (spec, tuple(tuple(_sinfo(v)[0]) for v in sources), tuple(_sinfo(final)[0]))
+            if key not in symbols:
+                symbols[key] = f"comfuse_wgmma_attention_{len(symbols)}"
+                b, h, s, d = spec.batch, spec.heads, spec.seq, spec.head_dim
+                module = build(wgmma_attention(spec, key[1][0], key[1][1], (b * h * d, s), key[2]), symbols[key], spec, None)
+                if module is not None:
+                    built.append(module)
+            plans[final] = (symbols[key], spec, sources, skipped)
+        if not plans:
+            return mod
+        rewriter = _AttentionRewriter(mod, plans)
+        for gv, func in mod.functions_items():
+            if isinstance(func, relax.Function):
+                rewriter.builder_.update_func(gv, rewriter.visit_expr(func))
+        out = rewriter.builder_.get()
+        LOG.info("ComFuse: %d attention(s) run as %d wgmma kernel(s)", len(plans), len(symbols))
+        if not built:
+            return out
+        existing = list(out.attrs[EXTERNAL_MODS]) if out.attrs and EXTERNAL_MODS in out.attrs else []
+        return out.with_attr(EXTERNAL_MODS, existing + built)
