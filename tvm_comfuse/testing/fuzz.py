@@ -32,7 +32,9 @@ CLI: ``python -m tvm_comfuse.testing.fuzz --cases 1000 --seed 0 --out report.jso
 ``--target cuda --jobs 12`` runs both compilers' CUDA kernels (compiled in 12 worker processes).
 ``--family hopper`` draws from :func:`generate_hopper` instead: post-norm blocks as models
 export them (adds in fp16/bf16, the norm in float32), shaped for the sm_90 wgmma kernels, which
-the random family's shapes and casts never reach.
+the random family's shapes and casts never reach; ``--family hopper_gemm`` from
+:func:`generate_hopper_gemm`: GEMM + elementwise blocks (heads split after some) compiled with
+the opt-in GEMM + elementwise kernel.
 """
 
 from __future__ import annotations
@@ -89,6 +91,8 @@ class Case:
     scale: float = 1.0
     special: str = ""  # "", "nan", "inf": inject into a few input elements
     input_seed: int = 0
+    #: The Hopper kernels the ComFuse build runs (``get_pipeline``'s ``hopper_groups``; empty: its default).
+    groups: tuple = ()
 
     def describe(self) -> str:
         """Human-readable pattern, e.g. ``x@w.T > bias > act:gelu > reduce:layer_norm``."""
@@ -100,7 +104,7 @@ class Case:
 
     @staticmethod
     def from_json(d: dict) -> "Case":
-        return Case(**(d | {"ops": tuple(tuple(op) for op in d["ops"])}))
+        return Case(**(d | {"ops": tuple(tuple(op) for op in d["ops"]), "groups": tuple(d.get("groups", ()))}))
 
 
 def vanilla_supported(case: Case) -> bool:
@@ -205,8 +209,34 @@ def generate_hopper(seed: int) -> Case:
     return dataclasses.replace(case, scale=BIG[dtype] if rng.random() < 0.25 else 1.0, special=pick(("", "", "", "", "nan", "inf")))
 
 
+def generate_hopper_gemm(seed: int) -> Case:
+    """A random GEMM + elementwise block from ``seed`` as models export it, compiled with the
+    opt-in GEMM + elementwise wgmma kernel (deterministic): fp16 or bf16 ``x @ w.T``, a bias,
+    an activation the kernel has (relu, gelu, silu), a residual, and, on batched rows, the
+    result split into heads (``reshape`` + ``permute_dims``, which the kernel's stores absorb).
+    One case in eight has what the kernel does not (N = 96, which no tile divides, or tanh) so
+    the fallback is fuzzed beside it."""
+    rng = np.random.default_rng(seed)
+    pick = lambda xs: xs[int(rng.integers(len(xs)))]  # noqa: E731
+    dtype = pick(("float16", "bfloat16"))
+    odd = rng.random() < 0.125
+    m, k, batch = pick((64, 128, 256, 512, 1024)), pick((64, 128, 256, 768)), pick((None, 2, 4))
+    n = 96 if odd and rng.random() < 0.5 else pick((128, 256, 384, 512, 768, 1024, 3072))
+    ops = [("bias",)] if rng.random() < 0.8 else []
+    if rng.random() < 0.7:
+        ops.append(("act", "tanh" if odd else pick(("relu", "gelu", "silu"))))
+    if rng.random() < 0.25:
+        ops.append(("residual",))
+    heads = [h for h in (2, 4, 8, 12) if n % h == 0 and n // h in (32, 64, 128)]
+    if batch and heads and rng.random() < 0.5:
+        ops.append(("heads", pick(heads)))
+    case = Case(seed=seed, dtype=dtype, M=m, K=k, N=n, batch=batch, linear=True, ops=tuple(ops), input_seed=seed,
+                groups=("post_norm", "elementwise"))
+    return dataclasses.replace(case, scale=BIG[dtype] if rng.random() < 0.25 else 1.0, special=pick(("", "", "", "", "nan", "inf")))
+
+
 #: ``--family`` of the CLI: the generator of each case.
-FAMILIES = {"random": generate, "hopper": generate_hopper}
+FAMILIES = {"random": generate, "hopper": generate_hopper, "hopper_gemm": generate_hopper_gemm}
 
 
 # ----------------------------------------------------------------------------- building
@@ -262,6 +292,8 @@ def build(case: Case) -> tvm.IRModule:
                     y = bb.emit(op.power(y, const(2.0)))
                 elif kind == "to":
                     y = bb.emit(op.astype(y, dt))
+                elif kind == "heads":  # [B, M, N] -> [B, heads, M, N / heads], as attention splits them
+                    y = bb.emit(op.permute_dims(bb.emit(op.reshape(y, (case.batch, case.M, tok[1], case.N // tok[1]))), [0, 2, 1, 3]))
                 elif kind == "norm32":
                     f32 = lambda v: bb.emit(op.astype(v, "float32"))  # noqa: E731
                     y, g = f32(y), f32(vs[f"gamma{i}"])
@@ -353,6 +385,8 @@ def reference(case: Case, args: list) -> list:
                 y = y * y
             elif kind == "to":
                 y = _round(y, case.dtype)
+            elif kind == "heads":
+                y = y.reshape(case.batch, case.M, tok[1], case.N // tok[1]).transpose(0, 2, 1, 3)
             else:
                 y = _np_reduction(tok[1], y, vs, i)
     return [y, *kept]
@@ -401,8 +435,8 @@ def _target(target: str):
     return "llvm" if target == "llvm" else tvm.target.Target.from_device(tvm.cuda(0))
 
 
-def _compile(mod, target, comfuse):
-    return rt.compile_module(mod, target, comfuse=comfuse)
+def _compile(mod, target, comfuse, groups=()):
+    return rt.compile_module(mod, target, comfuse=comfuse, hopper_groups=groups or None)
 
 
 def _run(executable, mod, args, target: str):
@@ -426,7 +460,7 @@ def _kernels_of(names, groups) -> list:
     """The fused groups whose function became a CUDA kernel of its own (GPU targets), from the
     kernel names of the ComFuse build (the Hopper kernels carry a ``comfuse_wgmma_<i>_`` prefix)."""
     return [g.name for g in groups
-            if g.fused and any(re.fullmatch(rf"(comfuse_wgmma_\d+_)?{re.escape(g.name)}_kernel\w*", k) for k in names)]
+            if g.fused and any(re.fullmatch(rf"(comfuse_wgmma_(ew_)?\d+_)?{re.escape(g.name)}_kernel\w*", k) for k in names)]
 
 
 def _hopper_kernels(names) -> list:
@@ -479,7 +513,7 @@ def build_both(case: Case, target: str = "llvm") -> dict:
         if name == "vanilla" and not vanilla_supported(case):
             continue
         try:
-            out[name] = _compile(mod, _target(target), comfuse)
+            out[name] = _compile(mod, _target(target), comfuse, case.groups if comfuse else ())
         except Exception as e:  # pylint: disable=broad-except
             out[name] = _error(e)
     if target != "llvm" and not isinstance(out["comfuse"], str):
@@ -677,7 +711,8 @@ def main(argv=None) -> int:
                         help="llvm (CPU), or cuda: the GPU of this machine (fused CUDA kernels against vanilla TVM's)")
     parser.add_argument("--jobs", type=int, default=1, help="compile in this many worker processes")
     parser.add_argument("--family", choices=sorted(FAMILIES), default="random",
-                        help="random graphs (default), or hopper: post-norm blocks shaped for the sm_90 wgmma kernels")
+                        help="random graphs (default); hopper: post-norm blocks shaped for the sm_90 wgmma kernels; "
+                             "hopper_gemm: GEMM + elementwise blocks for the opt-in wgmma kernel")
     args = parser.parse_args(argv)
     if args.target == "cuda" and not tvm.cuda(0).exist:
         parser.error("--target cuda needs a CUDA GPU, and tvm.cuda(0) finds none")
