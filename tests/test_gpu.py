@@ -374,10 +374,12 @@ def test_gpu_wgmma_elementwise_matches_torch(M, N, K, dtype, chain, cfg, lead, a
 @pytest.mark.parametrize("b, h, s, d, dtype, scale_op", [
     (32, 12, 128, 64, "float16", "multiply"),  # BERT-base at batch 32 x 128
     (4, 2, 64, 64, "float16", "multiply"), (2, 4, 128, 128, "bfloat16", "divide"),
+    (4, 4, 512, 64, "float16", "multiply"), (1, 2, 1024, 128, "bfloat16", "multiply"),  # key blocks, online softmax
 ])
 def test_gpu_wgmma_attention_matches_torch(b, h, s, d, dtype, scale_op):
     """The fused attention kernel (written on CPU in session 14) against PyTorch's softmax
-    attention in fp32: q and k in the projections' [B * S, H * D], v transposed per head."""
+    attention in fp32: q and k in the projections' [B * S, H * D], v transposed per head; one
+    block of keys, or several with the online softmax."""
     import tvm  # pylint: disable=import-outside-toplevel
 
     from tvm_comfuse.schedule import wgmma_attention as wa, wgmma_mainloop as wm  # pylint: disable=import-outside-toplevel

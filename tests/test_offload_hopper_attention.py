@@ -116,13 +116,24 @@ def test_offloaded_bert_layer_runs_attention_and_projections_as_kernels():
 
 
 def test_attentions_the_kernel_cannot_take_are_left_alone(caplog):
-    """Probabilities also returned (an intermediate another op reads) are not matched; a 256-key
-    sequence is matched but too long for the kernel's registers, and says so."""
+    """Probabilities also returned (an intermediate another op reads) are not matched; 192 keys
+    (neither 64 nor whole blocks of 128) are matched but declined, and the log says why."""
     assert _plans(_attention(extra_output=True)) == []
-    long = _attention(s=256)
+    odd = _attention(s=192)
     with caplog.at_level("INFO", logger="tvm_comfuse"):
-        assert OffloadHopperAttention("llvm", build=_numpy_kernels([]))(long).same_as(long)
-    assert "sequence 256" in caplog.text
+        assert OffloadHopperAttention("llvm", build=_numpy_kernels([]))(odd).same_as(odd)
+    assert "sequence 192" in caplog.text
+
+
+def test_long_sequences_are_taken_in_key_blocks():
+    """512 keys: the attention becomes one kernel call (the kernel walks four blocks of 128 keys
+    with an online softmax) and gives vanilla TVM's values with the NumPy model in its place."""
+    mod = _attention(b=1, s=512, h=2)
+    arrays = _random(mod["main"].params)
+    calls = []
+    offloaded = OffloadHopperAttention("llvm", build=_numpy_kernels(calls))(mod)
+    (got,), (want,) = _run_llvm(offloaded, arrays), _run_llvm(mod, arrays)
+    assert len(calls) == 1 and np.abs(got - want).max() <= 2e-2
 
 
 def test_the_kernels_model_is_attention():
@@ -139,11 +150,13 @@ def test_the_kernels_model_is_attention():
 
 @pytest.mark.skipif(not codegen.have_nvcc(), reason="nvcc is not installed")
 @pytest.mark.parametrize("spec", [wa.Attention(32, 12, 128), wa.Attention(4, 2, 64),
-                                  wa.Attention(2, 4, 128, 128, "bfloat16", "bfloat16", 8.0, "divide")])
+                                  wa.Attention(2, 4, 128, 128, "bfloat16", "bfloat16", 8.0, "divide"),
+                                  wa.Attention(2, 16, 1024), wa.Attention(2, 4, 512, 128)])
 def test_attention_kernel_compiles_without_spills_or_hazards(spec):
-    """BERT-base's attention (and a 64-key, a bf16 128-wide-head one): ptxas keeps the scores,
-    probabilities and outputs in registers, and no SASS instruction reads an accumulator a wgmma
-    may still write; the softmax's quad reductions are shuffles."""
+    """BERT-base's attention (and a 64-key, a bf16 128-wide-head one, and 512 and 1024 keys in
+    blocks): ptxas keeps the scores, probabilities and outputs in registers, and no SASS
+    instruction reads an accumulator a wgmma may still write; the softmax's quad reductions are
+    shuffles."""
     if codegen.nvdisasm() is None:
         pytest.fail("nvdisasm is missing: pip install nvidia-cuda-nvdisasm (the test extra)")
     source = codegen.cuda_source(wm.build(wa.wgmma_attention(spec)))

@@ -1,12 +1,13 @@
 """Hopper fused attention (issue 5's attention-like chain): ``softmax(scale * q @ k.T) @ v``, one kernel.
 
 The scores and probabilities never leave the registers. A CTA takes ``bm`` query rows of one
-(batch, head): its consumer warpgroups (64 rows each) compute the rows' scores against the whole
-sequence on :mod:`.wgmma_mainloop` (``S <= 128``: a row's scores in one warpgroup's
-accumulators), round and scale them as the graph does, take the row softmax (each row's values
-sit in the four lanes of a quad: a max and a sum per thread, then two butterfly shuffles), and
-pack the probabilities into the register-A fragments of the second GEMM, as :mod:`.wgmma_b2b`
-does with its intermediate; ``v`` streams through the same TMA ring in 64-key chunks.
+(batch, head) and walks the keys in blocks of up to 128 (flash attention's online softmax): its
+consumer warpgroups (64 rows each) compute the rows' scores against a block on
+:mod:`.wgmma_mainloop`, round and scale them as the graph does, update each row's running max
+and sum (a row's values sit in the four lanes of a quad: butterfly shuffles), rescale the
+output accumulators, and pack the block's probabilities into the register-A fragments of the
+second GEMM, as :mod:`.wgmma_b2b` does with its intermediate; the block's ``v`` streams through
+the same TMA ring in 64-key chunks. The output is divided by the row sums once, at the end.
 
 The operands are laid out for TMA and wgmma without transposes: ``q`` and ``k`` in the
 projections' own ``[B * S, H * D]`` rows (a head is a 64-column box of them), ``v`` transposed,
@@ -33,9 +34,11 @@ from .chain import np_dtype
 from .wgmma_mainloop import (_PTX_TYPE, SMEM_LIMIT, TMA_LOAD, Ring, WgmmaConfig, box_rows, fragment, mainloop, roles,
                              tensor_map)
 
-#: Longest sequence a row's scores hold in one warpgroup's registers beside the second GEMM's
-#: accumulators and fragments (S / 2 + D / 2 + S / 4 of them).
-MAX_SEQ = 128
+#: Keys a block of the online softmax holds: a row's scores in one warpgroup's registers beside
+#: the second GEMM's accumulators and fragments (KEYS / 2 + D / 2 + KEYS / 4 of them).
+KEYS = 128
+#: Longest sequence taken (a bound of the tests, not of the kernel's registers).
+MAX_SEQ = 8192
 
 
 @dataclass(frozen=True)
@@ -63,9 +66,8 @@ class Attention:
             found.append(f"dtype {self.dtype} (wgmma here takes {sorted(_PTX_TYPE)})")
         if self.head_dim not in (64, 128):
             found.append(f"head dim {self.head_dim} (64 or 128: 64-column boxes, the second GEMM's N)")
-        if self.seq % 64 or not 64 <= self.seq <= MAX_SEQ:
-            found.append(f"sequence {self.seq} (64 or 128: a row's scores in one warpgroup's registers; "
-                         "longer ones need an online softmax over key chunks)")
+        if self.seq % 64 or not 64 <= self.seq <= MAX_SEQ or (self.seq > KEYS and self.seq % KEYS):
+            found.append(f"sequence {self.seq} (64, or a multiple of {KEYS} up to {MAX_SEQ}: blocks of {KEYS} keys)")
         if self.scale_op not in ("multiply", "divide"):
             found.append(f"scaling by {self.scale_op!r} (multiply or divide)")
         if self.score_dtype not in ("float16", "bfloat16", "float32") or self.out_dtype not in ("float16", "bfloat16", "float32"):
@@ -76,6 +78,11 @@ class Attention:
     def rows(self) -> int:
         """Query rows a CTA takes (64 per consumer warpgroup)."""
         return 128 if self.seq % 128 == 0 else 64
+
+    @property
+    def keys(self) -> int:
+        """Keys a block of the online softmax takes."""
+        return min(self.seq, KEYS)
 
 
 def reference(spec: Attention, q, k, vt):
@@ -102,21 +109,22 @@ def wgmma_attention(spec: Attention, q_shape=None, k_shape=None, vt_shape=None, 
     found = spec.problems()
     if found:
         raise ComFuseError("wgmma attention cannot take " + "; ".join(found))
-    b, h, s, d, bm = spec.batch, spec.heads, spec.seq, spec.head_dim, spec.rows
-    rows, cols, kt, chunks = b * s, h * d, d // 64, s // 64
+    b, h, s, d, bm, kb = spec.batch, spec.heads, spec.seq, spec.head_dim, spec.rows, spec.keys
+    rows, cols, kt, chunks, blocks = b * s, h * d, d // 64, kb // 64, s // kb
+    per_block = kt + chunks  # ring steps a key block takes: q and the block's keys, then its v.T chunks
     for name, shape, size in (("q", q_shape, rows * cols), ("k", k_shape, rows * cols), ("vt", vt_shape, rows * cols),
                               ("out", out_shape, rows * cols)):
         if shape is not None and math.prod(shape) != size:
             raise ComFuseError(f"wgmma attention: {name} of shape {tuple(shape)} does not hold {size} elements of {spec}")
-    stages = min(kt + chunks, SMEM_LIMIT // ((bm + s) * 64 * 2))
-    cfg = WgmmaConfig(bm=bm, bn=s, stages=stages, bk=64, wg_n=1)
+    stages = min(per_block * blocks, SMEM_LIMIT // ((bm + kb) * 64 * 2))
+    cfg = WgmmaConfig(bm=bm, bn=kb, stages=stages, bk=64, wg_n=1)
     _, consume = mainloop(cfg, d, spec.dtype)
     ring = Ring(stages, cfg.consumers)
     init, acquire, wait, release = ring.init(), ring.acquire(), ring.wait(), ring.release()
     producer, consumer = roles(cfg)
-    maps = {"q": tensor_map(rows, cols, box_rows(bm), 64, spec.dtype), "k": tensor_map(rows, cols, box_rows(s), 64, spec.dtype),
+    maps = {"q": tensor_map(rows, cols, box_rows(bm), 64, spec.dtype), "k": tensor_map(rows, cols, box_rows(kb), 64, spec.dtype),
             "vt": tensor_map(b * h * d, s, box_rows(d), 64, spec.dtype)}
-    acc1_n, acc2_n, slices = s // 2, d // 2, s // 16
+    acc1_n, acc2_n, slices = kb // 2, d // 2, kb // 16
     t = _PTX_TYPE[spec.dtype]
     mma2 = f"wgmma.mma_async.sync.aligned.m64n{d}k16.f32.{t}.{t}"
     pack = f"cvt.rn.{t}x2.f32"
@@ -135,73 +143,89 @@ def wgmma_attention(spec: Attention, q_shape=None, k_shape=None, vt_shape=None, 
     # pylint: disable=invalid-name,unused-variable,too-many-locals
     @T.macro
     def body(q_map, k_map, vt_map, out):
-        bh, blk = T.cta_id([b * h, s // bm])
+        bh, qb = T.cta_id([b * h, s // bm])
         wg = T.warpgroup_id([cfg.consumers + 1])
         tw = T.thread_id_in_wg([128])
-        S = T.alloc_shared([stages, bm + s, 64], spec.dtype, scope="shared.dyn", align=1024)
+        S = T.alloc_shared([stages, bm + kb, 64], spec.dtype, scope="shared.dyn", align=1024)
         full = T.alloc_shared([stages], "uint64", scope="shared", align=8)
         empty = T.alloc_shared([stages], "uint64", scope="shared", align=8)
         acc1 = T.alloc_local([acc1_n], "float32")
         acc2 = T.alloc_local([acc2_n], "float32")
         frag = T.alloc_local([slices * 4], "uint32")
-        stat = T.alloc_local([2, 2], "float32")  # [row half, max / sum]
+        # [row half, running max / this thread's share of the running sum / the block's max / rescale]
+        stat = T.alloc_local([2, 4], "float32")
         da = T.alloc_local([1], "uint64")
         db = T.alloc_local([1], "uint64")
         init(full, empty, wg * 128 + tw)
-        row0 = T.meta_var(bh // h * s + blk * bm)  # the CTA's first query row in [B * S, H * D]
+        row0 = T.meta_var(bh // h * s + qb * bm)  # the CTA's first query row in [B * S, H * D]
+        key0 = T.meta_var(bh // h * s)  # the head's first key row
         if wg == 0:
             producer()
             if tw == 0:
-                for kk in T.serial(kt):  # q's rows and all of the head's keys, 64 of the head's columns a step
-                    acquire(full, empty, kk, (bm + s) * 64 * 2)
-                    for j in T.unroll(bm // box_rows(bm)):
-                        T.ptx[TMA_LOAD](S.ptr_to([kk % stages, j * box_rows(bm), 0]), T.address_of(q_map), bh % h * d + kk * 64,
-                                        row0 + j * box_rows(bm), full.ptr_to([kk % stages]))
-                    for j in T.unroll(s // box_rows(s)):
-                        T.ptx[TMA_LOAD](S.ptr_to([kk % stages, bm + j * box_rows(s), 0]), T.address_of(k_map), bh % h * d + kk * 64,
-                                        bh // h * s + j * box_rows(s), full.ptr_to([kk % stages]))
-                for c in T.unroll(chunks):  # then v.T, 64 keys a step
-                    acquire(full, empty, kt + c, d * 64 * 2)
-                    T.ptx[TMA_LOAD](S.ptr_to([(kt + c) % stages, 0, 0]), T.address_of(vt_map), c * 64, bh * d,
-                                    full.ptr_to([(kt + c) % stages]))
+                for n in T.serial(blocks):
+                    for kk in T.serial(kt):  # q's rows and the block's keys, 64 of the head's columns a step
+                        step = T.meta_var(n * per_block + kk)
+                        acquire(full, empty, step, (bm + kb) * 64 * 2)
+                        for j in T.unroll(bm // box_rows(bm)):
+                            T.ptx[TMA_LOAD](S.ptr_to([step % stages, j * box_rows(bm), 0]), T.address_of(q_map),
+                                            bh % h * d + kk * 64, row0 + j * box_rows(bm), full.ptr_to([step % stages]))
+                        for j in T.unroll(kb // box_rows(kb)):
+                            T.ptx[TMA_LOAD](S.ptr_to([step % stages, bm + j * box_rows(kb), 0]), T.address_of(k_map),
+                                            bh % h * d + kk * 64, key0 + n * kb + j * box_rows(kb), full.ptr_to([step % stages]))
+                    for c in T.unroll(chunks):  # then the block's v.T, 64 keys a step
+                        step = T.meta_var(n * per_block + kt + c)
+                        acquire(full, empty, step, d * 64 * 2)
+                        T.ptx[TMA_LOAD](S.ptr_to([step % stages, 0, 0]), T.address_of(vt_map), n * kb + c * 64, bh * d,
+                                        full.ptr_to([step % stages]))
         else:
             consumer()
-            consume(S, S, full, empty, acc1, da, db, wg - 1, tw, 0)
-            for i in T.unroll(acc1_n):
-                acc1[i] = score(acc1[i])
-            for r in T.unroll(2):  # accumulator i holds row half (i // 2) % 2
-                stat[r, 0] = acc1[2 * r]
+            for i in T.unroll(acc2_n):
+                acc2[i] = T.float32(0)
+            for r in T.unroll(2):
+                stat[r, 0] = T.float32(-math.inf)
                 stat[r, 1] = T.float32(0)
-            for i in T.unroll(acc1_n):
-                stat[i // 2 % 2, 0] = T.max(stat[i // 2 % 2, 0], acc1[i])
-            for r in T.unroll(2):
-                for x in T.unroll(2):
-                    stat[r, 0] = T.max(stat[r, 0], across(stat[r, 0], 1 << x))
-            for i in T.unroll(acc1_n):
-                acc1[i] = T.exp(acc1[i] - stat[i // 2 % 2, 0])
-                stat[i // 2 % 2, 1] = stat[i // 2 % 2, 1] + acc1[i]
-            for r in T.unroll(2):
+            for n in T.serial(blocks):  # accumulator i of either GEMM holds row half (i // 2) % 2
+                consume(S, S, full, empty, acc1, da, db, wg - 1, tw, n * per_block)
+                for i in T.unroll(acc1_n):
+                    acc1[i] = score(acc1[i])
+                for r in T.unroll(2):
+                    stat[r, 2] = stat[r, 0]
+                for i in T.unroll(acc1_n):
+                    stat[i // 2 % 2, 2] = T.max(stat[i // 2 % 2, 2], acc1[i])
+                for r in T.unroll(2):  # the new running max (the row's, over the quad), and the old values' rescale
+                    for x in T.unroll(2):
+                        stat[r, 2] = T.max(stat[r, 2], across(stat[r, 2], 1 << x))
+                    stat[r, 3] = T.exp(stat[r, 0] - stat[r, 2])
+                    stat[r, 0] = stat[r, 2]
+                    stat[r, 1] = stat[r, 1] * stat[r, 3]
+                for i in T.unroll(acc2_n):
+                    acc2[i] = acc2[i] * stat[i // 2 % 2, 3]
+                for i in T.unroll(acc1_n):
+                    acc1[i] = T.exp(acc1[i] - stat[i // 2 % 2, 0])
+                    stat[i // 2 % 2, 1] = stat[i // 2 % 2, 1] + acc1[i]
+                for j in T.unroll(slices):  # the block's probabilities as fp16 pairs: the A fragments of GEMM 2
+                    for p in T.unroll(4):
+                        T.ptx[pack](frag[4 * j + p], acc1[8 * j + 2 * p + 1], acc1[8 * j + 2 * p])
+                for c in T.unroll(chunks):
+                    wait(full, n * per_block + kt + c)
+                    T.ptx["wgmma.fence.sync.aligned"]()
+                    for jj in T.unroll(4):
+                        j = T.meta_var(4 * c + jj)
+                        T.cuda.wgmma.encode_matrix_descriptor(T.address_of(db[0]), S.ptr_to([(n * per_block + kt + c) % stages, 0, jj * 16]),
+                                                              1, 1024 >> 4, 3)
+                        T.ptx[mma2](*[acc2[i] for i in range(acc2_n)], frag[4 * j], frag[4 * j + 1], frag[4 * j + 2], frag[4 * j + 3],
+                                    db[0], T.ptx.pred(True), 1, 1, 0)
+                T.ptx["wgmma.commit_group.sync.aligned"]()
+                T.ptx["wgmma.wait_group.sync.aligned"](0)
+                for c in T.unroll(chunks):
+                    release(empty, n * per_block + kt + c, tw)
+            for r in T.unroll(2):  # the row sums, over the quad
                 for x in T.unroll(2):
                     stat[r, 1] = stat[r, 1] + across(stat[r, 1], 1 << x)
-            for j in T.unroll(slices):  # probabilities as fp16 pairs: the A fragments of GEMM 2
-                for p in T.unroll(4):
-                    T.ptx[pack](frag[4 * j + p], acc1[8 * j + 2 * p + 1] / stat[p % 2, 1], acc1[8 * j + 2 * p] / stat[p % 2, 1])
-            for c in T.unroll(chunks):
-                wait(full, kt + c)
-                T.ptx["wgmma.fence.sync.aligned"]()
-                for jj in T.unroll(4):
-                    j = T.meta_var(4 * c + jj)
-                    T.cuda.wgmma.encode_matrix_descriptor(T.address_of(db[0]), S.ptr_to([(kt + c) % stages, 0, jj * 16]), 1, 1024 >> 4, 3)
-                    T.ptx[mma2](*[acc2[i] for i in range(acc2_n)], frag[4 * j], frag[4 * j + 1], frag[4 * j + 2], frag[4 * j + 3],
-                                db[0], T.ptx.pred(j > 0), 1, 1, 0)
-            T.ptx["wgmma.commit_group.sync.aligned"]()
-            T.ptx["wgmma.wait_group.sync.aligned"](0)
-            for c in T.unroll(chunks):
-                release(empty, kt + c, tw)
             for q2 in T.unroll(acc2_n // 2):
                 for v in T.vectorized(2):
                     row, col = T.meta_var(fragment(tw, 2 * q2 + v))
-                    out[row0 + (wg - 1) * 64 + row, bh % h * d + col] = T.cast(acc2[2 * q2 + v], spec.out_dtype)
+                    out[row0 + (wg - 1) * 64 + row, bh % h * d + col] = T.cast(acc2[2 * q2 + v] / stat[q2 % 2, 1], spec.out_dtype)
 
     signature = [("q", q_shape or (rows, cols), spec.dtype, (rows, cols)), ("k", k_shape or (rows, cols), spec.dtype, (rows, cols)),
                  ("vt", vt_shape or (b * h * d, s), spec.dtype, (b * h * d, s)),
