@@ -28,3 +28,16 @@ def test_demo_runs_checks_and_generates_cuda(tmp_path):
 def test_console_script_is_installed():
     proc = subprocess.run(["comfuse", "demo", "--help"], capture_output=True, text=True, check=False)
     assert proc.returncode == 0 and "--skip-bert" in proc.stdout
+
+
+def test_bench_without_a_gpu_says_so_and_its_table_marks_absent_contenders(capsys):
+    """``comfuse bench --attention`` parses and, with no GPU, exits 2 naming the problem; the
+    results table shows '-' where a contender does not apply to a case (sdpa on a post-norm)."""
+    from tvm_comfuse import bench  # pylint: disable=import-outside-toplevel
+
+    assert main(["bench", "--shapes", "--attention", "128", "512"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+    rows = [bench.Row("attention-b32h8-s128", 4096, 64, 512, "attention", "float16", "sdpa", kernel_us=10.0),
+            bench.Row("bert-base-attnout", 4096, 768, 768, "layer_norm", "float16", "comfuse", kernel_us=13.0)]
+    text = bench.table(rows)
+    assert "attention-b32h8-s128" in text and "10.0" in text and text.splitlines()[2].split()[-3] == "-"  # its sdpa cell

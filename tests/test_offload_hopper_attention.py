@@ -50,26 +50,7 @@ def _grouped(mod):
 
 
 def _attention(b=2, s=64, h=2, d=64, scale_op="multiply", extra_output=False):
-    """A standalone attention as PyTorch exports it: heads split from ``[B, S, H * D]`` inputs,
-    ``softmax(q @ k.T * scale)`` in fp32, heads merged."""
-    bb = relax.BlockBuilder()
-    ins = [relax.Var(n, relax.TensorType((b, s, h * d), "float16")) for n in "qkv"]
-    with bb.function("main", ins):
-        with bb.dataflow():
-            heads = [bb.emit(relax.op.permute_dims(bb.emit(relax.op.reshape(x, (b, s, h, d))), [0, 2, 1, 3])) for x in ins]
-            q, k, v = (bb.emit(relax.op.reshape(x, (b * h, s, d))) for x in heads)
-            kt = bb.emit(relax.op.permute_dims(k, [0, 2, 1]))
-            scores = bb.emit(relax.op.matmul(q, kt, out_dtype="float16"))
-            const = relax.const(0.125 if scale_op == "multiply" else 8.0, "float16")
-            scaled = bb.emit(relax.op.multiply(scores, const) if scale_op == "multiply" else relax.op.divide(scores, const))
-            p32 = bb.emit(relax.op.nn.softmax(bb.emit(relax.op.astype(scaled, "float32")), axis=-1))
-            p = bb.emit(relax.op.astype(p32, "float16"))
-            ctx = bb.emit(relax.op.matmul(p, v, out_dtype="float16"))
-            merged = bb.emit(relax.op.reshape(bb.emit(relax.op.permute_dims(bb.emit(relax.op.reshape(ctx, (b, h, s, d))), [0, 2, 1, 3])),
-                                              (b * s, h * d)))
-            out = bb.emit_output(relax.Tuple([merged, p32]) if extra_output else merged)
-        bb.emit_func_output(out)
-    return bb.get()
+    return wl.attention(b, h, s, d, "float16", scale_op, extra_output)
 
 
 def test_bert_attention_is_read_as_the_kernel_describes_it():

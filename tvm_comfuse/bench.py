@@ -7,8 +7,9 @@ default pipeline: DLight; and, when asked, tuned by MetaSchedule's stock rules w
 budget ComFuse's logs had) and ComFuse (its default pipeline: on sm_90 the Hopper wgmma
 kernels; ``comfuse_mma_sync``: the portable mma.sync rule, untuned; ``comfuse_tuned``: the
 default pipeline with the shipped tuning logs, the wgmma kernels' tuned configurations on sm_90;
-``comfuse_hopper_all``, models only: the default pipeline with every Hopper kernel, the
-attention and GEMM + elementwise ones too, opt-in until measured). Each contender's output is checked against a float32
+``comfuse_hopper_all``, models and attention only: the default pipeline with every Hopper
+kernel, the attention and GEMM + elementwise ones too, opt-in until measured; ``sdpa``,
+attention only: PyTorch's ``scaled_dot_product_attention``, flash attention on the H200). Each contender's output is checked against a float32
 PyTorch reference before it is timed; a wrong result is reported and not timed. Two times
 per call: device time (sum of kernel durations from the CUDA profiler, so launch and VM
 overhead are excluded) and wall time (CUDA events around back-to-back calls, best of 3).
@@ -28,7 +29,7 @@ from .pipeline import HOPPER_GROUPS
 from .runtime import compile_module
 
 CONTENDERS = ("cublas_gemm", "eager", "inductor", "inductor_max_autotune", "tvm_dlight", "tvm_metaschedule", "comfuse",
-              "comfuse_mma_sync", "comfuse_tuned", "comfuse_hopper_all")
+              "comfuse_mma_sync", "comfuse_tuned", "comfuse_hopper_all", "sdpa")
 #: MetaSchedule trials per task for ``tvm_metaschedule``: the budget ``comfuse tune`` gave the
 #: shipped logs (64 per shape, one ComFuse task each).
 VANILLA_TRIALS = 64
@@ -235,6 +236,50 @@ def _raise(err):
     return fn
 
 
+#: Attention shapes of ``comfuse bench --attention SEQ...`` (issue 5): batch x heads 256, head dim 64.
+ATTENTION_BATCH, ATTENTION_HEADS, ATTENTION_HEAD_DIM = 32, 8, 64
+
+
+def run_attention(seqs, which=CONTENDERS, log=print) -> list:
+    """Multi-head attention (``workloads.attention``, fp16) at each sequence length: eager
+    (two batched GEMMs and a softmax), torch.compile, ``scaled_dot_product_attention``, vanilla
+    TVM, ComFuse's default pipeline and ComFuse with its attention kernel (``comfuse_hopper_all``)."""
+    import torch  # pylint: disable=import-outside-toplevel
+    import tvm  # pylint: disable=import-outside-toplevel
+
+    target = tvm.target.Target.from_device(tvm.cuda(0))
+    b, h, d, rows = ATTENTION_BATCH, ATTENTION_HEADS, ATTENTION_HEAD_DIM, []
+    for s in seqs:
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(b, s, h * d, device="cuda", dtype=torch.float16) for _ in range(3))
+        qh, kh, vh = (t.reshape(b, s, h, d).transpose(1, 2) for t in (q, k, v))
+        ref = (torch.softmax(qh.float() @ kh.float().transpose(-1, -2) * 0.125, -1) @ vh.float()).transpose(1, 2).reshape(b * s, h * d)
+
+        def eager(qh=qh, kh=kh, vh=vh, s=s):
+            p = torch.softmax((qh @ kh.transpose(-1, -2) * 0.125).float(), -1).half()
+            return (p @ vh).transpose(1, 2).reshape(b * s, h * d)
+
+        contenders = {"eager": (eager, eager)}
+        if "inductor" in which:
+            compiled = torch.compile(eager, dynamic=False)
+            contenders["inductor"] = (compiled, compiled)
+        sdpa = lambda qh=qh, kh=kh, vh=vh, s=s: torch.nn.functional.scaled_dot_product_attention(qh, kh, vh).transpose(1, 2).reshape(b * s, h * d)  # noqa: E731
+        contenders["sdpa"] = (sdpa, sdpa)
+        mod = workloads.attention(b, h, s, d)
+        for contender in [c for c in ("eager", "inductor", "sdpa", "tvm_dlight", "comfuse", "comfuse_hopper_all") if c in which]:
+            row = Row(f"attention-b{b}h{h}-s{s}", b * s, d, h * d, "attention", "float16", contender)
+            if contender in contenders:
+                rows.append(_timed(torch, row, *contenders[contender], ref, TOLERANCE["float16"], log))
+                continue
+            try:
+                groups = HOPPER_GROUPS if contender == "comfuse_hopper_all" else None
+                fn, fn_out = _tvm_callable(torch, mod, [q, k, v], contender != "tvm_dlight", target, hopper_groups=groups)
+            except Exception as err_:  # pylint: disable=broad-except
+                fn, fn_out = _raise(err_), None
+            rows.append(_timed(torch, row, fn, fn_out, ref, TOLERANCE["float16"], log))
+    return rows
+
+
 def run_model(name: str, batch: int, seq: int, which=CONTENDERS, log=print) -> list:
     """A HuggingFace encoder (random weights), fp16, end to end: PyTorch eager and torch.compile
     on the module, vanilla TVM and ComFuse on its ``from_exported_program`` import (weights
@@ -318,7 +363,7 @@ def table(rows: list) -> str:
         cells = []
         for c in cols:
             r = by.get(c)
-            cells.append(f"{'ERR' if r is None or r.kernel_us is None else f'{r.kernel_us:.1f}':>15}")
+            cells.append(f"{'-' if r is None else 'ERR' if r.kernel_us is None else f'{r.kernel_us:.1f}':>15}")
         ours, dl, cb = (by.get(c) for c in ("comfuse", "tvm_dlight", "cublas_gemm"))
         ratio = lambda a, b: f"{a.kernel_us / b.kernel_us:.2f}x" if a and b and a.kernel_us and b.kernel_us else "-"  # noqa: E731
         lines.append(f"{shape + ' ' + norm + ' ' + dtype:<38}" + "".join(cells) + f"{ratio(dl, ours):>10}{ratio(ours, cb):>10}")

@@ -16,6 +16,7 @@ EXAMPLES = """examples:
   comfuse bench --contenders tvm_dlight tvm_metaschedule comfuse    vanilla MetaSchedule, 64 trials per task
   comfuse bench --contenders cublas_gemm inductor comfuse comfuse_mma_sync   the portable mma.sync rule too
   comfuse bench --shapes --models bert-base bert-large --batch 32 --seq 128   whole encoders only
+  comfuse bench --shapes --attention 128 256 512 1024   multi-head attention, batch x heads 256, head dim 64
 """
 
 
@@ -28,6 +29,8 @@ def add_parser(sub) -> None:
     names = [s.name for s in workloads.SUITE]
     p.add_argument("--shapes", nargs="*", default=names, choices=names, metavar="SHAPE", help=f"from {names}")
     p.add_argument("--models", nargs="*", default=[], choices=list(bench.MODELS), help="whole encoders, end to end (fp16)")
+    p.add_argument("--attention", nargs="*", type=int, default=[], metavar="SEQ",
+                   help="multi-head attention at these sequence lengths (batch x heads 256, head dim 64, fp16)")
     p.add_argument("--batch", type=int, default=32, help="batch of --models (default 32)")
     p.add_argument("--seq", type=int, default=128, help="sequence length of --models (default 128)")
     p.add_argument("--norms", nargs="+", default=["layer_norm"], choices=["layer_norm", "rms_norm", "softmax"])
@@ -50,6 +53,8 @@ def run(args) -> int:
     rows = bench.run(shapes, args.norms, args.dtypes, tuple(args.contenders))
     for model in args.models:
         rows += bench.run_model(model, args.batch, args.seq, tuple(args.contenders))
+    if args.attention:
+        rows += bench.run_attention(args.attention, tuple(args.contenders))
     print(bench.table(rows))
     out = args.out or os.path.join(
         "notebooks", "results", f"bench-{tvm.cuda(0).device_name.replace(' ', '_')}-{datetime.date.today()}.json"
