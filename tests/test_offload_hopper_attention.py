@@ -159,3 +159,23 @@ def test_sm90a_compile_runs_bert_on_the_hopper_kernels(caplog):
     assert len([k for k in names if k.startswith("comfuse_wgmma_attention_")]) == 1
     assert len([k for k in names if k.startswith("comfuse_wgmma_ew_")]) == 3
     assert "1 attention(s) run as 1 wgmma kernel(s)" in caplog.text
+
+
+@pytest.mark.skipif(not codegen.have_nvcc(), reason="nvcc is not installed")
+def test_a_bert_layer_on_every_hopper_kernel_launches_eight_kernels():
+    """Weights bound (as a deployment and the bench compile): the default sm_90 pipeline launches
+    a softmax, batched matmuls and head transposes of vanilla TVM's beside ComFuse's kernels;
+    with every Hopper group, the layer is the input's cast and seven ComFuse kernels."""
+    from tvm_comfuse import PASS_CONFIG, pipeline  # pylint: disable=import-outside-toplevel
+
+    mod, params, _module, _example = wl.bert_encoder(layers=1, hidden=128, heads=2, batch=2, seq=128, dtype="float16")
+    names = [p.name for p in mod["main"].params[1:]]
+    mod = relax.transform.BindParams("main", dict(zip(names, (tvm.runtime.tensor(p) for p in params))))(mod)
+    launched = {}
+    for groups in (None, pipeline.HOPPER_GROUPS):
+        with tvm.transform.PassContext(opt_level=3, config=PASS_CONFIG):
+            lowered = pipeline.get_pipeline(SM90A, hopper_groups=groups)(mod)
+        launched[groups] = codegen.launches(lowered)
+    assert any("softmax" in k for k in launched[None]) and any("transpose" in k for k in launched[None])
+    everything = launched[pipeline.HOPPER_GROUPS]
+    assert len(everything) == 8 and all(k.startswith("comfuse_wgmma_") for k in everything[1:]), everything

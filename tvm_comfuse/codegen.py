@@ -24,6 +24,18 @@ def cuda_source(executable) -> str:
     return "\n".join(sources)
 
 
+def launches(mod: tvm.IRModule, func: str = "main") -> list:
+    """The kernels ``func`` of a Relax module lowered by a whole pipeline (``get_pipeline(t)(mod)``)
+    launches, in order: its PrimFunc calls and its packed calls other than the VM's builtins (a
+    reshape that became a view, ``vm.builtin.reshape``, launches nothing). What a graph costs in
+    kernels, where ``kernel_names`` lists every kernel generated, used or not."""
+    import re  # pylint: disable=import-outside-toplevel
+
+    script = mod[func].script()
+    calls = re.findall(r'R\.call_packed\("([\w.]+)"|^\s+(?:\w+: R\.\w+ = )?(\w+)\((?!.*R\.)', script, re.M)
+    return [packed or prim for packed, prim in calls if not (packed or prim).startswith("vm.builtin") and (packed or prim) != "R"]
+
+
 def kernel_names(source: str) -> list:
     """Names of the ``__global__`` functions in CUDA source, in order."""
     return list(dict.fromkeys(_KERNEL.findall(source)))
