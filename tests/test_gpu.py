@@ -371,12 +371,13 @@ def test_gpu_wgmma_elementwise_matches_torch(M, N, K, dtype, chain, cfg, lead, a
     assert (out.float() - ref.reshape(out.shape)).abs().max().item() <= TOL[dtype]
 
 
-@pytest.mark.parametrize("b, h, s, d, dtype, scale_op", [
-    (32, 12, 128, 64, "float16", "multiply"),  # BERT-base at batch 32 x 128
-    (4, 2, 64, 64, "float16", "multiply"), (2, 4, 128, 128, "bfloat16", "divide"),
-    (4, 4, 512, 64, "float16", "multiply"), (1, 2, 1024, 128, "bfloat16", "multiply"),  # key blocks, online softmax
+@pytest.mark.parametrize("b, h, s, d, dtype, scale_op, masked", [
+    (32, 12, 128, 64, "float16", "multiply", False),  # BERT-base at batch 32 x 128
+    (4, 2, 64, 64, "float16", "multiply", False), (2, 4, 128, 128, "bfloat16", "divide", False),
+    (4, 4, 512, 64, "float16", "multiply", False), (1, 2, 1024, 128, "bfloat16", "multiply", False),  # key blocks
+    (4, 4, 256, 64, "float16", "multiply", True),  # a padding mask: each batch row's last keys masked out
 ])
-def test_gpu_wgmma_attention_matches_torch(b, h, s, d, dtype, scale_op):
+def test_gpu_wgmma_attention_matches_torch(b, h, s, d, dtype, scale_op, masked):
     """The fused attention kernel (written on CPU in session 14) against PyTorch's softmax
     attention in fp32: q and k in the projections' [B * S, H * D], v transposed per head; one
     block of keys, or several with the online softmax."""
@@ -385,16 +386,20 @@ def test_gpu_wgmma_attention_matches_torch(b, h, s, d, dtype, scale_op):
     from tvm_comfuse.schedule import wgmma_attention as wa, wgmma_mainloop as wm  # pylint: disable=import-outside-toplevel
 
     _need_sm90(tvm)
-    spec = wa.Attention(b, h, s, d, dtype, dtype, 0.125 if scale_op == "multiply" else 8.0, scale_op, dtype)
+    spec = wa.Attention(b, h, s, d, dtype, dtype, 0.125 if scale_op == "multiply" else 8.0, scale_op, dtype,
+                        "keys" if masked else "", b)
     tdt = getattr(torch, dtype)
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=tdt, generator=gen) for _ in range(3))
     vt = v.permute(0, 2, 3, 1).contiguous()
     out = torch.full((b * s, h * d), float("nan"), device="cuda", dtype=tdt)
     kernel = wm.build(wa.wgmma_attention(spec))["main"]
-    kernel(*[tvm.runtime.from_dlpack(t) for t in (q.reshape(b * s, h * d), k.reshape(b * s, h * d), vt.reshape(b * h * d, s), out)])
+    mask = torch.where(torch.arange(s, device="cuda") < s - 17 * (torch.arange(b, device="cuda")[:, None] + 1), 0.0, -10000.0)
+    extra = [mask.reshape(b * s)] if masked else []
+    kernel(*[tvm.runtime.from_dlpack(t) for t in (q.reshape(b * s, h * d), k.reshape(b * s, h * d), vt.reshape(b * h * d, s), *extra, out)])
     qh, kh, vh = (t.float().permute(0, 2, 1, 3) for t in (q, k, v))
-    ref = torch.softmax(qh @ kh.transpose(-1, -2) / 8.0, -1) @ vh  # 0.125 or / 8.0: the same scores
+    scores = qh @ kh.transpose(-1, -2) / 8.0  # 0.125 or / 8.0: the same scores
+    ref = torch.softmax(scores + (mask[:, None, None, :] if masked else 0), -1) @ vh
     assert (out.float() - ref.permute(0, 2, 1, 3).reshape(b * s, h * d)).abs().max().item() <= TOL[dtype]
 
 

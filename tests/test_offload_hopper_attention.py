@@ -28,8 +28,8 @@ def _numpy_kernels(calls):
         if not isinstance(spec, wa.Attention):
             return groups(func, symbol, spec, mnk)
 
-        def run(q, k, vt, out):
-            out.copyfrom(wa.reference(spec, q.numpy(), k.numpy(), vt.numpy()).reshape(out.shape))
+        def run(*args):
+            args[-1].copyfrom(wa.reference(spec, *[a.numpy() for a in args[:-1]]).reshape(args[-1].shape))
             calls.append(symbol)
 
         tvm.register_global_func(symbol, run, override=True)
@@ -49,8 +49,8 @@ def _grouped(mod):
         return FuseComputeMemory(target=SM90A, hopper=True)(mod)
 
 
-def _attention(b=2, s=64, h=2, d=64, scale_op="multiply", extra_output=False):
-    return wl.attention(b, h, s, d, "float16", scale_op, extra_output)
+def _attention(b=2, s=64, h=2, d=64, scale_op="multiply", extra_output=False, mask=False):
+    return wl.attention(b, h, s, d, "float16", scale_op, extra_output, mask)
 
 
 def test_bert_attention_is_read_as_the_kernel_describes_it():
@@ -106,6 +106,48 @@ def test_attentions_the_kernel_cannot_take_are_left_alone(caplog):
     assert "sequence 192" in caplog.text
 
 
+def test_padding_masks_are_added_in_the_kernel():
+    """A padding mask (``[B, 1, 1, S]``, a large negative value at padded keys, added to the
+    scores in fp32 as HuggingFace encoders add it) is the kernel's fourth input: one call, the
+    graph's values with the NumPy model in its place."""
+    mod = _attention(b=2, s=128, mask=True)
+    arrays = _random(mod["main"].params)
+    arrays[3] = np.where(np.arange(128) >= 100, -10000.0, 0.0).astype("float32")[None, None, None].repeat(2, 0)
+    (spec, sources, _, _), = _plans(mod)
+    assert (spec.mask, spec.mask_batch, len(sources)) == ("keys", 2, 4)
+    calls = []
+    offloaded = OffloadHopperAttention("llvm", build=_numpy_kernels(calls))(mod)
+    assert "R.nn.softmax" not in offloaded["main"].script()
+    (got,), (want,) = _run_llvm(offloaded, arrays), _run_llvm(mod, arrays)
+    assert len(calls) == 1 and np.abs(got - want).max() <= 2e-2
+
+
+def test_an_exported_bert_with_a_padding_mask_is_matched():
+    """A HuggingFace BERT encoder exported with an additive padding mask (its extended mask,
+    ``(1 - mask[:, None, None, :]) * -10000``): each layer's attention, mask included, is one match."""
+    pytest.importorskip("transformers")
+    from transformers import BertConfig, BertModel  # pylint: disable=import-outside-toplevel
+    from tvm.relax.frontend.torch import from_exported_program  # pylint: disable=import-outside-toplevel
+
+    config = BertConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512, vocab_size=128,
+                        max_position_embeddings=64, attn_implementation="eager")
+    bert = BertModel(config, add_pooling_layer=False).eval()
+
+    class Encoder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.encoder = bert.encoder
+
+        def forward(self, hidden, mask):
+            return self.encoder(hidden, attention_mask=(1.0 - mask[:, None, None, :].to(hidden.dtype)) * -10000.0)[0]
+
+    with torch.no_grad():
+        exported = torch.export.export(Encoder().eval(), (torch.randn(2, 64, 128), torch.ones(2, 64, dtype=torch.long)))
+    mod = relax.transform.ToMixedPrecision(out_dtype="float16")(from_exported_program(exported, keep_params_as_input=True))
+    plans = _plans(_grouped(mod))
+    assert len(plans) == 2 and all(spec.mask == "keys" and spec.mask_batch == 2 for spec, *_ in plans)
+
+
 def test_long_sequences_are_taken_in_key_blocks():
     """512 keys: the attention becomes one kernel call (the kernel walks four blocks of 128 keys
     with an online softmax) and gives vanilla TVM's values with the NumPy model in its place."""
@@ -132,10 +174,11 @@ def test_the_kernels_model_is_attention():
 @pytest.mark.skipif(not codegen.have_nvcc(), reason="nvcc is not installed")
 @pytest.mark.parametrize("spec", [wa.Attention(32, 12, 128), wa.Attention(4, 2, 64),
                                   wa.Attention(2, 4, 128, 128, "bfloat16", "bfloat16", 8.0, "divide"),
-                                  wa.Attention(2, 16, 1024), wa.Attention(2, 4, 512, 128)])
+                                  wa.Attention(2, 16, 1024), wa.Attention(2, 4, 512, 128),
+                                  wa.Attention(32, 12, 128, mask="keys", mask_batch=32)])
 def test_attention_kernel_compiles_without_spills_or_hazards(spec):
-    """BERT-base's attention (and a 64-key, a bf16 128-wide-head one, and 512 and 1024 keys in
-    blocks): ptxas keeps the scores, probabilities and outputs in registers, and no SASS
+    """BERT-base's attention (and a 64-key, a bf16 128-wide-head one, 512 and 1024 keys in
+    blocks, a padding mask): ptxas keeps the scores, probabilities and outputs in registers, and no SASS
     instruction reads an accumulator a wgmma may still write; the softmax's quad reductions are
     shuffles."""
     if codegen.nvdisasm() is None:

@@ -157,22 +157,28 @@ def random_inputs(mod: tvm.IRModule, seed: int = 0, scale: float = 1.0) -> list:
 
 
 def attention(b: int, h: int, s: int, d: int = 64, dtype: str = "float16", scale_op: str = "multiply",
-              extra_output: bool = False) -> tvm.IRModule:
-    """Multi-head attention as PyTorch exports it, ``main(q, k, v)`` on ``[B, S, H * D]``: heads
-    split (``reshape``, ``permute_dims``), ``softmax(q @ k.T * 1/8)`` (or ``/ 8``) with the
-    scores in ``dtype`` and the softmax in float32, ``@ v``, heads merged to ``[B * S, H * D]``;
-    ``extra_output`` also returns the probabilities."""
+              extra_output: bool = False, mask: bool = False) -> tvm.IRModule:
+    """Multi-head attention as PyTorch exports it, ``main(q, k, v[, mask])`` on ``[B, S, H * D]``:
+    heads split (``reshape``, ``permute_dims``), ``softmax(q @ k.T * 1/8 (+ mask))`` (or ``/ 8``)
+    with the scores in ``dtype`` and the softmax in float32 (the padding ``mask``, ``[B, 1, 1,
+    S]`` float32, added there, as HuggingFace encoders add it), ``@ v``, heads merged to ``[B *
+    S, H * D]``; ``extra_output`` also returns the probabilities."""
     bb = relax.BlockBuilder()
     ins = [relax.Var(n, relax.TensorType((b, s, h * d), dtype)) for n in "qkv"]
+    ins += [relax.Var("mask", relax.TensorType((b, 1, 1, s), "float32"))] if mask else []
     with bb.function("main", ins):
         with bb.dataflow():
-            heads = [bb.emit(relax.op.permute_dims(bb.emit(relax.op.reshape(x, (b, s, h, d))), [0, 2, 1, 3])) for x in ins]
+            heads = [bb.emit(relax.op.permute_dims(bb.emit(relax.op.reshape(x, (b, s, h, d))), [0, 2, 1, 3])) for x in ins[:3]]
             q, k, v = (bb.emit(relax.op.reshape(x, (b * h, s, d))) for x in heads)
             scores = bb.emit(relax.op.matmul(q, bb.emit(relax.op.permute_dims(k, [0, 2, 1])), out_dtype=dtype))
+            scores = bb.emit(relax.op.reshape(scores, (b, h, s, s)))
             const = relax.const(0.125 if scale_op == "multiply" else 8.0, dtype)
             scaled = bb.emit(relax.op.multiply(scores, const) if scale_op == "multiply" else relax.op.divide(scores, const))
-            p32 = bb.emit(relax.op.nn.softmax(bb.emit(relax.op.astype(scaled, "float32")), axis=-1))
-            ctx = bb.emit(relax.op.matmul(bb.emit(relax.op.astype(p32, dtype)), v, out_dtype=dtype))
+            scores32 = bb.emit(relax.op.astype(scaled, "float32"))
+            scores32 = bb.emit(relax.op.add(scores32, ins[3])) if mask else scores32
+            p32 = bb.emit(relax.op.nn.softmax(scores32, axis=-1))
+            p = bb.emit(relax.op.reshape(bb.emit(relax.op.astype(p32, dtype)), (b * h, s, s)))
+            ctx = bb.emit(relax.op.matmul(p, v, out_dtype=dtype))
             merged = bb.emit(relax.op.permute_dims(bb.emit(relax.op.reshape(ctx, (b, h, s, d))), [0, 2, 1, 3]))
             merged = bb.emit(relax.op.reshape(merged, (b * s, h * d)))
             out = bb.emit_output(relax.Tuple([merged, p32]) if extra_output else merged)

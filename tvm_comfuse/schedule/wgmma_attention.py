@@ -43,11 +43,15 @@ MAX_SEQ = 8192
 
 @dataclass(frozen=True)
 class Attention:
-    """``out = round(softmax(fp32(round(round(q @ k.T) (*|/) scale))) @ v)`` per (batch, head),
-    each rounding to the dtype the graph computes that value in: ``score_dtype`` (the first
-    batched matmul's output), the scaling's (``scale_op`` ``"multiply"`` or ``"divide"`` by
+    """``out = round(softmax(fp32(round(round(q @ k.T) (*|/) scale)) (+ mask)) @ v)`` per (batch,
+    head), each rounding to the dtype the graph computes that value in: ``score_dtype`` (the
+    first batched matmul's output), the scaling's (``scale_op`` ``"multiply"`` or ``"divide"`` by
     ``scale`` in ``score_dtype``), ``dtype`` (the probabilities, cast before the second matmul)
-    and ``out_dtype``. Shapes: ``batch`` B, ``heads`` H, ``seq`` S, ``head_dim`` D."""
+    and ``out_dtype``. Shapes: ``batch`` B, ``heads`` H, ``seq`` S, ``head_dim`` D.
+
+    ``mask``: ``""``, or ``"keys"``: an additive mask per batch row and key (a padding mask, as
+    HuggingFace encoders add it: ``[B, 1, 1, S]``, or ``[1, 1, 1, S]`` with ``mask_batch`` 1), in
+    ``mask_dtype``, added in fp32 before the softmax."""
 
     batch: int
     heads: int
@@ -58,6 +62,9 @@ class Attention:
     scale: float = 0.125
     scale_op: str = "multiply"
     out_dtype: str = "float16"
+    mask: str = ""
+    mask_batch: int = 1
+    mask_dtype: str = "float32"
 
     def problems(self) -> list:
         """What the kernel cannot compute of this description (empty if nothing)."""
@@ -72,6 +79,8 @@ class Attention:
             found.append(f"scaling by {self.scale_op!r} (multiply or divide)")
         if self.score_dtype not in ("float16", "bfloat16", "float32") or self.out_dtype not in ("float16", "bfloat16", "float32"):
             found.append(f"dtypes {self.score_dtype}, {self.out_dtype}")
+        if self.mask not in ("", "keys") or self.mask_batch not in (1, self.batch):
+            found.append(f"mask {self.mask!r} of batch {self.mask_batch} (none, or keys: one per batch row or for all)")
         return found
 
     @property
@@ -85,9 +94,10 @@ class Attention:
         return min(self.seq, KEYS)
 
 
-def reference(spec: Attention, q, k, vt):
-    """NumPy model of the kernel on ``q``, ``k`` (``[B * S, H * D]``) and ``vt`` (``[B * H * D,
-    S]``): ``[B * S, H * D]`` in ``out_dtype``; the oracle of the offload's CPU tests."""
+def reference(spec: Attention, q, k, vt, mask=None):
+    """NumPy model of the kernel on ``q``, ``k`` (``[B * S, H * D]``), ``vt`` (``[B * H * D,
+    S]``) and the ``mask`` (``spec.mask_batch * S`` values): ``[B * S, H * D]`` in ``out_dtype``;
+    the oracle of the offload's CPU tests."""
     b, h, s, d = spec.batch, spec.heads, spec.seq, spec.head_dim
     f32 = lambda a, dt=None: np.asarray(a).astype(np_dtype(dt)).astype(np.float32) if dt else np.asarray(a).astype(np.float32)  # noqa: E731
     qh = f32(q).reshape(b, s, h, d).transpose(0, 2, 1, 3)
@@ -96,16 +106,19 @@ def reference(spec: Attention, q, k, vt):
     scores = f32(qh @ kh.transpose(0, 1, 3, 2), spec.score_dtype)
     scale = f32(np.float32(spec.scale), spec.score_dtype)
     scores = f32(scores * scale if spec.scale_op == "multiply" else scores / scale, spec.score_dtype)
+    if spec.mask:
+        scores = scores + f32(mask).reshape(spec.mask_batch, 1, 1, s)
     e = np.exp(scores - scores.max(-1, keepdims=True))
     p = f32(e / e.sum(-1, keepdims=True), spec.dtype)
     out = f32(p @ vh, spec.out_dtype)
     return out.transpose(0, 2, 1, 3).reshape(b * s, h * d).astype(np_dtype(spec.out_dtype))
 
 
-def wgmma_attention(spec: Attention, q_shape=None, k_shape=None, vt_shape=None, out_shape=None):
-    """The fused kernel, a tirx PrimFunc for sm_90a with parameters ``(q, k, vt, out)``, read
-    and written as ``[B * S, H * D]``, ``[B * S, H * D]``, ``[B * H * D, S]`` and ``[B * S, H *
-    D]`` through views of tensors of the given shapes (any with those element counts)."""
+def wgmma_attention(spec: Attention, q_shape=None, k_shape=None, vt_shape=None, out_shape=None, mask_shape=None):
+    """The fused kernel, a tirx PrimFunc for sm_90a with parameters ``(q, k, vt[, mask], out)``,
+    read and written as ``[B * S, H * D]``, ``[B * S, H * D]``, ``[B * H * D, S]``, ``[mask_batch
+    * S]`` and ``[B * S, H * D]`` through views of tensors of the given shapes (any with those
+    element counts)."""
     found = spec.problems()
     if found:
         raise ComFuseError("wgmma attention cannot take " + "; ".join(found))
@@ -113,7 +126,7 @@ def wgmma_attention(spec: Attention, q_shape=None, k_shape=None, vt_shape=None, 
     rows, cols, kt, chunks, blocks = b * s, h * d, d // 64, kb // 64, s // kb
     per_block = kt + chunks  # ring steps a key block takes: q and the block's keys, then its v.T chunks
     for name, shape, size in (("q", q_shape, rows * cols), ("k", k_shape, rows * cols), ("vt", vt_shape, rows * cols),
-                              ("out", out_shape, rows * cols)):
+                              ("out", out_shape, rows * cols), ("mask", mask_shape, spec.mask_batch * s)):
         if shape is not None and math.prod(shape) != size:
             raise ComFuseError(f"wgmma attention: {name} of shape {tuple(shape)} does not hold {size} elements of {spec}")
     stages = min(per_block * blocks, SMEM_LIMIT // ((bm + kb) * 64 * 2))
@@ -129,20 +142,22 @@ def wgmma_attention(spec: Attention, q_shape=None, k_shape=None, vt_shape=None, 
     mma2 = f"wgmma.mma_async.sync.aligned.m64n{d}k16.f32.{t}.{t}"
     pack = f"cvt.rn.{t}x2.f32"
 
-    def score(v):
-        """The graph's score: the first matmul's result rounded, scaled in its dtype, widened."""
+    def score(v, mask, bh, key):
+        """The graph's score: the first matmul's result rounded, scaled in its dtype, widened,
+        the key's mask added."""
         sd = spec.score_dtype
         v = T.cast(v, sd) if sd != "float32" else v
         c = T.Cast(sd, T.float32(spec.scale)) if sd != "float32" else T.float32(spec.scale)
         v = v * c if spec.scale_op == "multiply" else v / c
-        return T.cast(v, "float32") if sd != "float32" else v
+        v = T.cast(v, "float32") if sd != "float32" else v
+        return v + T.cast(mask[(bh // h if spec.mask_batch > 1 else 0) * s + key], "float32") if spec.mask else v
 
     def across(v, lane_mask):  # the value of the lane lane_mask apart (a row's four values sit in a quad's lanes)
         return T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), v, lane_mask, 32, 32)
 
     # pylint: disable=invalid-name,unused-variable,too-many-locals
     @T.macro
-    def body(q_map, k_map, vt_map, out):
+    def body(q_map, k_map, vt_map, mask, out):
         bh, qb = T.cta_id([b * h, s // bm])
         wg = T.warpgroup_id([cfg.consumers + 1])
         tw = T.thread_id_in_wg([128])
@@ -187,7 +202,7 @@ def wgmma_attention(spec: Attention, q_shape=None, k_shape=None, vt_shape=None, 
             for n in T.serial(blocks):  # accumulator i of either GEMM holds row half (i // 2) % 2
                 consume(S, S, full, empty, acc1, da, db, wg - 1, tw, n * per_block)
                 for i in T.unroll(acc1_n):
-                    acc1[i] = score(acc1[i])
+                    acc1[i] = score(acc1[i], mask, bh, n * kb + fragment(tw, i)[1])
                 for r in T.unroll(2):
                     stat[r, 2] = stat[r, 0]
                 for i in T.unroll(acc1_n):
@@ -228,13 +243,14 @@ def wgmma_attention(spec: Attention, q_shape=None, k_shape=None, vt_shape=None, 
                     out[row0 + (wg - 1) * 64 + row, bh % h * d + col] = T.cast(acc2[2 * q2 + v] / stat[q2 % 2, 1], spec.out_dtype)
 
     signature = [("q", q_shape or (rows, cols), spec.dtype, (rows, cols)), ("k", k_shape or (rows, cols), spec.dtype, (rows, cols)),
-                 ("vt", vt_shape or (b * h * d, s), spec.dtype, (b * h * d, s)),
-                 ("out", out_shape or (rows, cols), spec.out_dtype, (rows, cols))]
+                 ("vt", vt_shape or (b * h * d, s), spec.dtype, (b * h * d, s))]
+    signature += [("mask", mask_shape or (spec.mask_batch * s,), spec.mask_dtype, (spec.mask_batch * s,))] if spec.mask else []
+    signature += [("out", out_shape or (rows, cols), spec.out_dtype, (rows, cols))]
     lines = [f"def attention({', '.join(f'{p}_h: T.handle' for p, *_ in signature)}):"]
     lines += [f"    {p}_p = T.match_buffer({p}_h, {tuple(shp)}, {dt!r}, align=16)" for p, shp, dt, _ in signature]
     lines += [f"    {p}_map: T.let[T.handle('tensormap')] = T.tvm_stack_alloca('tensormap', 1)" for p in maps]
     lines += [f"    encode_{p}({p}_map, {p}_p.data)" for p in maps] + ["    T.device_entry()"]
-    lines += [f"    out = T.decl_buffer({(rows, cols)}, {spec.out_dtype!r}, data=out_p.data)"]
-    lines += ["    body(q_map, k_map, vt_map, out)"]
+    lines += [f"    {p} = T.decl_buffer({view}, {dt!r}, data={p}_p.data)" for p, _, dt, view in signature[3:]]
+    lines += [f"    body(q_map, k_map, vt_map, {'mask' if spec.mask else 'None'}, out)"]
     return tvm.script.from_source("@T.prim_func\n" + "\n".join(lines),
                                   extra_vars={"T": T, "body": body, **{f"encode_{p}": enc for p, enc in maps.items()}})

@@ -4,7 +4,7 @@ Runs after FuseComputeMemory and before OffloadHopperElementwise, on the caller'
 attention as an imported HuggingFace encoder computes it,
 
     q, k, v [B, S, H * D]  -> split into heads (reshape, permute_dims, casts) -> [B * H, S, D] (k: [B * H, D, S])
-    softmax(cast(scale * matmul(q, k))) -> cast -> matmul(p, v) -> [B * H, S, D]
+    softmax(cast(scale * matmul(q, k)) (+ padding mask)) -> cast -> matmul(p, v) -> [B * H, S, D]
         -> heads merged (permute_dims, reshapes) -> [B * S, H * D]
 
 becomes one call of :func:`~tvm_comfuse.schedule.wgmma_attention.wgmma_attention` on ``q`` and
@@ -83,9 +83,10 @@ def _scalar(expr, var2val):
 
 
 def match_attention(mm2, var2val, users):
-    """For the binding ``mm2 = matmul(p, v)`` of a dataflow block: ``(spec, (q, k, v), final
-    var, skipped vars)`` if it ends an attention the kernel takes (see the module docstring),
-    else None. ``q``, ``k``, ``v`` are the sources before the head split; the final var is the
+    """For the binding ``mm2 = matmul(p, v)`` of a dataflow block: ``(spec, (q, k, v[, mask]),
+    final var, skipped vars)`` if it ends an attention the kernel takes (see the module
+    docstring), else None. ``q``, ``k``, ``v`` are the sources before the head split, ``mask`` a
+    padding mask added to the scores in fp32 (``[B or 1, 1, 1, S]``); the final var is the
     merged-heads value the kernel writes; the skipped vars are every binding it replaces."""
     from ..schedule.wgmma_attention import Attention  # pylint: disable=import-outside-toplevel
 
@@ -97,7 +98,15 @@ def match_attention(mm2, var2val, users):
     soft = var2val.get(p_src)
     if not isinstance(soft, relax.Call) or ops.op_name(soft) != "relax.nn.softmax" or not ops.reduces_last_axis(soft):
         return None
-    x, chain = soft.args[0], []  # back from the softmax: a cast to fp32, the scaling, layout ops to the first matmul
+    x, chain, mask_add = soft.args[0], [], var2val.get(soft.args[0])
+    if isinstance(mask_add, relax.Call) and ops.op_name(mask_add) == "relax.add":  # a padding mask, added in fp32
+        x = next((a for a in mask_add.args if _sinfo(a)[0] == _sinfo(mask_add)[0]), None)
+        mask = next((a for a in mask_add.args if x is not None and not a.same_as(x)), None)
+        if x is None or mask is None or _sinfo(mask_add)[1] != "float32":
+            return None
+    else:
+        mask_add = mask = None
+    # back from the softmax (or its mask): a cast to fp32, the scaling, layout ops to the first matmul
     while isinstance(var2val.get(x), relax.Call) and ops.op_name(var2val[x]) in (*_LAYOUT, "relax.multiply", "relax.divide"):
         chain.append(var2val[x])
         x = var2val[x].args[0]
@@ -138,6 +147,13 @@ def match_attention(mm2, var2val, users):
     if scores is None or not np.array_equal(scores[0].reshape(-1), np.arange(bh * s * s)):
         return None
     # forward from the second matmul: the merged heads, [B * S, H * D] in memory order
+    mask_batch = 1
+    if mask is not None:  # one value per batch row (or for all) and key: [B or 1, 1, 1, S], right-aligned
+        shape = _sinfo(mask)[0]
+        padded = [1] * (4 - len(shape or [])) + list(shape or [0] * 5)
+        if len(padded) != 4 or padded[1:] != [1, 1, s] or padded[0] not in (1, b):
+            return None
+        mask_batch = padded[0]
     merged = np.arange(bh * s * d).reshape(b, h, s, d).transpose(0, 2, 1, 3).reshape(-1)
     cur, tail, final, out_calls = mm2, [], None, []
     while len(users.get(cur, [])) == 1 and isinstance(users[cur][0], relax.DataflowVar):
@@ -155,13 +171,14 @@ def match_attention(mm2, var2val, users):
     if final is None:
         return None
     final_var, used = final
-    spec = Attention(b, h, s, d, dtypes.pop(), _sinfo(mm1)[1], scale, ops.op_name(scaling[0])[len("relax."):], _sinfo(final_var)[1])
+    spec = Attention(b, h, s, d, dtypes.pop(), _sinfo(mm1)[1], scale, ops.op_name(scaling[0])[len("relax."):], _sinfo(final_var)[1],
+                     "keys" if mask is not None else "", mask_batch, _sinfo(mask)[1] if mask is not None else "float32")
     skipped = [*_chain_vars(call.args[0], var2val), *_chain_vars(call.args[1], var2val), *_chain_vars(mm1.args[0], var2val),
                *_chain_vars(mm1.args[1], var2val), mm2, *tail[:used]]
-    skipped += [v for v, val in var2val.items() if any(val.same_as(c) for c in (soft, mm1, *chain))]
+    skipped += [v for v, val in var2val.items() if any(val.same_as(c) for c in (soft, mm1, *chain, *([mask_add] if mask_add is not None else [])))]
     if any(u not in skipped for v in skipped if v is not final_var for u in users.get(v, [])):
         return None  # an intermediate value something else reads: keep the graph as it is
-    return spec, (q_src, k_src, v_src), final_var, skipped
+    return spec, (q_src, k_src, v_src, *([mask] if mask is not None else [])), final_var, skipped
 
 
 def _chain_vars(var, var2val):
@@ -184,8 +201,8 @@ class _AttentionRewriter(PyExprMutator):  # pylint: disable=abstract-method
 
     def visit_var_binding_(self, binding):  # pylint: disable=arguments-renamed
         if binding.var in self.plans:
-            symbol, spec, (q, k, v), _ = self.plans[binding.var]
-            q, k, v = (self.visit_expr(a) for a in (q, k, v))
+            symbol, spec, sources, _ = self.plans[binding.var]
+            q, k, v, *mask = (self.visit_expr(a) for a in sources)
             emit = self.builder_.emit
             q16, k16 = (emit(relax.op.astype(a, spec.dtype)) if _sinfo(a)[1] != spec.dtype else a for a in (q, k))
             b, h, s, d = spec.batch, spec.heads, spec.seq, spec.head_dim
@@ -194,7 +211,7 @@ class _AttentionRewriter(PyExprMutator):  # pylint: disable=abstract-method
             vt = emit(relax.op.astype(vt, spec.dtype)) if _sinfo(v)[1] != spec.dtype else vt
             vt = emit(relax.op.reshape(vt, (b * h * d, s)))
             out = relax.TensorType(_sinfo(binding.var)[0], spec.out_dtype)
-            self.set_var_remap(binding.var, emit(relax.call_dps_packed(relax.ExternFunc(symbol), relax.Tuple([q16, k16, vt]), out),
+            self.set_var_remap(binding.var, emit(relax.call_dps_packed(relax.ExternFunc(symbol), relax.Tuple([q16, k16, vt, *mask]), out),
                                                  binding.var.name))
             return
         if binding.var in self.skipped:
@@ -249,7 +266,8 @@ class OffloadHopperAttention:  # pylint: disable=too-few-public-methods
             if key not in symbols:
                 symbols[key] = f"comfuse_wgmma_attention_{len(symbols)}"
                 b, h, s, d = spec.batch, spec.heads, spec.seq, spec.head_dim
-                module = build(wgmma_attention(spec, key[1][0], key[1][1], (b * h * d, s), key[2]), symbols[key], spec, None)
+                module = build(wgmma_attention(spec, key[1][0], key[1][1], (b * h * d, s), key[2], key[1][3] if spec.mask else None),
+                               symbols[key], spec, None)
                 if module is not None:
                     built.append(module)
             plans[final] = (symbols[key], spec, sources, skipped)
