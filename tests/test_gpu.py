@@ -169,13 +169,18 @@ def _assert_correct(func, scheduled, M, K, N):
     assert not bad, "\n".join(bad)
 
 
-def test_bert_encoder_fp16_on_gpu():
+def _bert_on_gpu():
+    """``(mod, its GPU arguments, the PyTorch module's output)``: a small fp16 BERT encoder."""
     pytest.importorskip("transformers")
     mod, params, module, example = wl.bert_encoder(layers=2, hidden=256, heads=4, batch=4, seq=64, dtype="float16")
     x = torch.randn_like(example)
     with torch.no_grad():
         ref = module(x).cuda()
-    args = [x.cuda()] + [torch.from_numpy(p).cuda() for p in params]
+    return mod, [x.cuda()] + [torch.from_numpy(p).cuda() for p in params], ref
+
+
+def test_bert_encoder_fp16_on_gpu():
+    mod, args, ref = _bert_on_gpu()
     (out,), _ = _run_on_gpu(mod, args)
     assert (out - ref).abs().max().item() <= 5e-2
 
@@ -188,12 +193,7 @@ def test_gpu_bert_encoder_on_the_opt_in_hopper_kernels(groups):
     import tvm  # pylint: disable=import-outside-toplevel
 
     _need_sm90(tvm)
-    pytest.importorskip("transformers")
-    mod, params, module, example = wl.bert_encoder(layers=2, hidden=256, heads=4, batch=4, seq=64, dtype="float16")
-    x = torch.randn_like(example)
-    with torch.no_grad():
-        ref = module(x).cuda()
-    args = [x.cuda()] + [torch.from_numpy(p).cuda() for p in params]
+    mod, args, ref = _bert_on_gpu()
     (out,), kernels = _run_on_gpu(mod, args, hopper=True, hopper_groups=groups)
     assert len([k for k in kernels if k.startswith("comfuse_wgmma_ew_")]) == 3
     assert len([k for k in kernels if k.startswith("comfuse_wgmma_attention_")]) == ("attention" in groups)

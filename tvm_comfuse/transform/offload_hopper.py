@@ -212,23 +212,45 @@ def hopper_takes(func: relax.Function, target: tvm.target.Target) -> bool:
     return found is not None and not wp.problems(*found[2], found[0])
 
 
+def groups_taken(mod: tvm.IRModule, kind: str, match, problems):
+    """``(global var, function, match(function))`` of each outlined group of ``kind`` in ``mod``
+    that ``match`` reads (``(spec, roles, (M, N, K), ...)``) and ``problems(M, N, K, spec)`` does
+    not object to; the groups it objects to are logged with the reason (they stay with the rule)."""
+    for gv, func in mod.functions_items():
+        if not isinstance(func, relax.Function) or str((func.attrs or {}).get(KIND_ATTR, "")) != kind:
+            continue
+        found = match(func)
+        if found is None:
+            continue
+        why = problems(*found[2], found[0])
+        if why:
+            LOG.info("ComFuse: %s stays with the %s rule, the wgmma kernel cannot take %s", gv.name_hint, kind, "; ".join(why))
+            continue
+        yield gv, func, found
+
+
 def taken_groups(mod: tvm.IRModule):
     """``(global var, function, match_postnorm's result)`` of each outlined ``gemm_reduce``
     group of ``mod`` the wgmma kernel takes: what :class:`OffloadHopperPostNorm` replaces and
-    what ``comfuse tune`` makes its tasks (the groups it declines are logged with the reason)."""
+    what ``comfuse tune`` makes its tasks."""
     from ..schedule import wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
 
-    for gv, func in mod.functions_items():
-        if not isinstance(func, relax.Function) or str((func.attrs or {}).get(KIND_ATTR, "")) != "gemm_reduce":
-            continue
-        found = match_postnorm(func)
-        if found is None:
-            continue
-        why = wp.problems(*found[2], found[0])
-        if why:
-            LOG.info("ComFuse: %s stays with the gemm_reduce rule, the wgmma kernel cannot take %s", gv.name_hint, "; ".join(why))
-            continue
-        yield gv, func, found
+    return groups_taken(mod, "gemm_reduce", match_postnorm, wp.problems)
+
+
+class HopperOffload:  # pylint: disable=too-few-public-methods
+    """What the Hopper offload passes share: their target and how they build a kernel."""
+
+    def __init__(self, target, build=None):
+        self.target = parse_target(target)
+        self.build = build
+
+    def builder(self):
+        """``build(prim_func, symbol, spec, mnk)``: the one given, else the sm_90a compile; None
+        where the pass has nothing to do (none given, and the target is not sm_90)."""
+        if self.build is None and not is_hopper(self.target):
+            return None
+        return self.build or (lambda func, symbol, _spec, _mnk: build_kernel(func, symbol, self.target))
 
 
 def build_kernel(prim_func, symbol: str, target: tvm.target.Target):
@@ -258,7 +280,7 @@ class _CallRewriter(PyExprMutator):  # pylint: disable=abstract-method
 
 
 @tvm.transform.module_pass(opt_level=0, name="OffloadHopperPostNorm")
-class OffloadHopperPostNorm:  # pylint: disable=too-few-public-methods
+class OffloadHopperPostNorm(HopperOffload):  # pylint: disable=too-few-public-methods
     """Replace the post-norm groups the wgmma kernel takes by calls of it (see the module
     docstring); a no-op unless ``target`` is an sm_90 CUDA target.
 
@@ -274,8 +296,7 @@ class OffloadHopperPostNorm:  # pylint: disable=too-few-public-methods
     """
 
     def __init__(self, target, build=None, database=None):
-        self.target = parse_target(target)
-        self.build = build
+        super().__init__(target, build)
         self.database = database
 
     def _config(self, func, found):
@@ -291,9 +312,9 @@ class OffloadHopperPostNorm:  # pylint: disable=too-few-public-methods
         """Build each eligible group's kernel, rewrite its calls, drop the outlined function."""
         from ..schedule import wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
 
-        if self.build is None and not is_hopper(self.target):
+        build = self.builder()
+        if build is None:
             return mod
-        build = self.build or (lambda func, symbol, _spec, _mnk: build_kernel(func, symbol, self.target))
         offloads, built, symbols, tuned = {}, [], {}, 0
         for gv, func, found in taken_groups(mod):
             spec, roles, mnk, out_shape, order = found
@@ -327,7 +348,13 @@ def replace_calls(mod: tvm.IRModule, offloads: dict, built: list) -> tvm.IRModul
             rewriter.builder_.update_func(gv, rewriter.visit_expr(func))
     out = rewriter.builder_.get()
     out = tvm.IRModule({gv: f for gv, f in out.functions_items() if gv.name_hint not in offloads}, attrs=out.attrs)
+    return link(out, built)
+
+
+def link(mod: tvm.IRModule, built: list) -> tvm.IRModule:
+    """``mod`` with the compiled kernel modules ``built`` added to its ``external_mods`` (TVM's
+    BYOC path: the executable links them, the VM calls them by symbol)."""
     if not built:
-        return out
-    existing = list(out.attrs[EXTERNAL_MODS]) if out.attrs and EXTERNAL_MODS in out.attrs else []
-    return out.with_attr(EXTERNAL_MODS, existing + built)
+        return mod
+    existing = list(mod.attrs[EXTERNAL_MODS]) if mod.attrs and EXTERNAL_MODS in mod.attrs else []
+    return mod.with_attr(EXTERNAL_MODS, existing + built)

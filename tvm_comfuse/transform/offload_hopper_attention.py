@@ -33,8 +33,7 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ..graph import ops
-from ..target import parse_target
-from .offload_hopper import EXTERNAL_MODS, _sinfo, build_kernel, is_hopper
+from .offload_hopper import HopperOffload, _sinfo, link
 
 LOG = logging.getLogger("tvm_comfuse")
 _LAYOUT = (ops.RESHAPE, ops.TRANSPOSE, ops.BROADCAST, "relax.astype")
@@ -240,22 +239,18 @@ def _plans(mod: tvm.IRModule) -> list:
 
 
 @tvm.transform.module_pass(opt_level=0, name="OffloadHopperAttention")
-class OffloadHopperAttention:  # pylint: disable=too-few-public-methods
+class OffloadHopperAttention(HopperOffload):  # pylint: disable=too-few-public-methods
     """Replace the attentions the wgmma kernel takes by calls of it (see the module docstring);
     a no-op unless ``target`` is an sm_90 CUDA target or ``build`` is given. ``build(prim_func,
     symbol, spec, None)`` as OffloadHopperPostNorm's; identical attentions (a model's layers)
     share one kernel."""
 
-    def __init__(self, target, build=None):
-        self.target = parse_target(target)
-        self.build = build
-
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         from ..schedule.wgmma_attention import wgmma_attention  # pylint: disable=import-outside-toplevel
 
-        if self.build is None and not is_hopper(self.target):
+        build = self.builder()
+        if build is None:
             return mod
-        build = self.build or (lambda func, symbol, _spec, _mnk: build_kernel(func, symbol, self.target))
         plans, symbols, built = {}, {}, []
         for spec, sources, final, skipped in _plans(mod):
             why = spec.problems()
@@ -277,9 +272,5 @@ class OffloadHopperAttention:  # pylint: disable=too-few-public-methods
         for gv, func in mod.functions_items():
             if isinstance(func, relax.Function):
                 rewriter.builder_.update_func(gv, rewriter.visit_expr(func))
-        out = rewriter.builder_.get()
         LOG.info("ComFuse: %d attention(s) run as %d wgmma kernel(s)", len(plans), len(symbols))
-        if not built:
-            return out
-        existing = list(out.attrs[EXTERNAL_MODS]) if out.attrs and EXTERNAL_MODS in out.attrs else []
-        return out.with_attr(EXTERNAL_MODS, existing + built)
+        return link(rewriter.builder_.get(), built)

@@ -31,9 +31,7 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ..graph import ops
-from ..target import parse_target
-from .fuse_compute_memory import KIND_ATTR
-from .offload_hopper import GroupBody, _sinfo, build_kernel, is_hopper, replace_calls
+from .offload_hopper import GroupBody, HopperOffload, _sinfo, groups_taken, replace_calls
 
 LOG = logging.getLogger("tvm_comfuse")
 
@@ -62,21 +60,10 @@ def match_elementwise(func: relax.Function):
 
 def taken_groups(mod: tvm.IRModule):
     """``(global var, function, match_elementwise's result)`` of each outlined
-    ``gemm_elementwise`` group of ``mod`` the wgmma kernel takes (the others are logged with
-    the reason)."""
+    ``gemm_elementwise`` group of ``mod`` the wgmma kernel takes."""
     from ..schedule import wgmma_elementwise as we  # pylint: disable=import-outside-toplevel
 
-    for gv, func in mod.functions_items():
-        if not isinstance(func, relax.Function) or str((func.attrs or {}).get(KIND_ATTR, "")) != "gemm_elementwise":
-            continue
-        found = match_elementwise(func)
-        if found is None:
-            continue
-        why = we.problems(*found[2], found[0])
-        if why:
-            LOG.info("ComFuse: %s stays with the gemm_elementwise rule, the wgmma kernel cannot take %s", gv.name_hint, "; ".join(why))
-            continue
-        yield gv, func, found
+    return groups_taken(mod, "gemm_elementwise", match_elementwise, we.problems)
 
 
 def _users(block: relax.DataflowBlock, result) -> dict:
@@ -186,7 +173,7 @@ def _rewrite_tails(mod: tvm.IRModule, plans: dict) -> tvm.IRModule:
 
 
 @tvm.transform.module_pass(opt_level=0, name="OffloadHopperElementwise")
-class OffloadHopperElementwise:  # pylint: disable=too-few-public-methods
+class OffloadHopperElementwise(HopperOffload):  # pylint: disable=too-few-public-methods
     """Replace the GEMM + elementwise groups the wgmma kernel takes by calls of it (see the
     module docstring); a no-op unless ``target`` is an sm_90 CUDA target or ``build`` is given.
 
@@ -195,18 +182,14 @@ class OffloadHopperElementwise:  # pylint: disable=too-few-public-methods
     NumPy model). Groups that compute the same kernel (a model's layers) share one build.
     """
 
-    def __init__(self, target, build=None):
-        self.target = parse_target(target)
-        self.build = build
-
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         """Build each eligible group's kernel, rewrite its calls, drop the outlined function."""
         from ..schedule import wgmma_elementwise as we  # pylint: disable=import-outside-toplevel
         from ..schedule.chain import Step  # pylint: disable=import-outside-toplevel
 
-        if self.build is None and not is_hopper(self.target):
+        build = self.builder()
+        if build is None:
             return mod
-        build = self.build or (lambda func, symbol, _spec, _mnk: build_kernel(func, symbol, self.target))
         offloads, built, symbols, plans = {}, [], {}, {}
         taken = list(taken_groups(mod))
         tails = _tails(mod, {gv.name_hint for gv, *_ in taken})
