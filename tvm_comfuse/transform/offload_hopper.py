@@ -112,6 +112,15 @@ class GroupBody:
             else:
                 return None
 
+    def read(self, cur, out_shape, activations=()):
+        """:meth:`chain_to_gemm` from ``cur``, then :meth:`linear`, when every binding took part:
+        ``(the walk's result, linear's)``, or None."""
+        found = self.chain_to_gemm(cur, activations)
+        if found is None or not self.all_used():
+            return None
+        linear = self.linear(found, out_shape)
+        return None if linear is None else (found, linear)
+
     def linear(self, found, out_shape):
         """For :meth:`chain_to_gemm`'s result: ``(steps, operands, roles, (M, N, K))`` in the
         kernels' terms (:class:`~tvm_comfuse.schedule.chain.Step` s; each added operand's
@@ -175,13 +184,10 @@ def match_postnorm(func: relax.Function):
         return None
     if _sinfo(call.args[0])[1] != "float32":
         return None
-    found = body.chain_to_gemm(call.args[0])
-    if found is None or not body.all_used():
+    read = body.read(call.args[0], out_shape)
+    if read is None:
         return None
-    linear = body.linear(found, out_shape)
-    if linear is None:
-        return None
-    steps, operands, roles, mnk = linear
+    found, (steps, operands, roles, mnk) = read
     (_, g_dtype), b_dtype = _sinfo(gamma), _sinfo(beta)[1] if beta is not None else None
     if beta is not None and b_dtype != g_dtype:
         return None
@@ -210,6 +216,27 @@ def hopper_takes(func: relax.Function, target: tvm.target.Target) -> bool:
 
     found = match_postnorm(func) if is_hopper(target) else None
     return found is not None and not wp.problems(*found[2], found[0])
+
+
+def dataflow_blocks(mod: tvm.IRModule):
+    """``(function, dataflow block)`` of every Relax function of ``mod``."""
+    for _, func in mod.functions_items():
+        if isinstance(func, relax.Function) and isinstance(func.body, relax.SeqExpr):
+            for block in func.body.blocks:
+                if isinstance(block, relax.DataflowBlock):
+                    yield func, block
+
+
+def users_of(block: relax.DataflowBlock, result) -> dict:
+    """Each variable of ``block`` -> the variables bound to expressions that use it (the
+    function's ``result`` counts as a user that is not a dataflow variable: None)."""
+    users = {}
+    for b in block.bindings:
+        for v in relax.analysis.free_vars(b.value):
+            users.setdefault(v, []).append(b.var)
+    for v in relax.analysis.free_vars(result):
+        users.setdefault(v, []).append(None)
+    return users
 
 
 def groups_taken(mod: tvm.IRModule, kind: str, match, problems):

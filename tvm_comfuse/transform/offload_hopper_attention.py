@@ -33,7 +33,7 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ..graph import ops
-from .offload_hopper import HopperOffload, _sinfo, link
+from .offload_hopper import HopperOffload, _sinfo, dataflow_blocks, link, users_of
 
 LOG = logging.getLogger("tvm_comfuse")
 _LAYOUT = (ops.RESHAPE, ops.TRANSPOSE, ops.BROADCAST, "relax.astype")
@@ -219,22 +219,15 @@ class _AttentionRewriter(PyExprMutator):  # pylint: disable=abstract-method
 
 
 def _plans(mod: tvm.IRModule) -> list:
-    """``(final var, spec, sources, skipped vars, tensor shapes)`` of every attention in ``mod``'s functions."""
+    """:func:`match_attention`'s result for every attention in ``mod``'s functions."""
     found = []
-    for _, func in mod.functions_items():
-        if not isinstance(func, relax.Function) or not isinstance(func.body, relax.SeqExpr):
-            continue
-        for block in func.body.blocks:
-            if not isinstance(block, relax.DataflowBlock):
-                continue
-            from .offload_hopper_elementwise import _users  # pylint: disable=import-outside-toplevel
-
-            var2val, users = {b.var: b.value for b in block.bindings}, _users(block, func.body.body)
-            for binding in block.bindings:
-                if isinstance(binding.value, relax.Call) and ops.op_name(binding.value) == ops.GEMM:
-                    matched = match_attention(binding.var, var2val, users)
-                    if matched is not None:
-                        found.append(matched)
+    for func, block in dataflow_blocks(mod):
+        var2val, users = {b.var: b.value for b in block.bindings}, users_of(block, func.body.body)
+        for binding in block.bindings:
+            if isinstance(binding.value, relax.Call) and ops.op_name(binding.value) == ops.GEMM:
+                matched = match_attention(binding.var, var2val, users)
+                if matched is not None:
+                    found.append(matched)
     return found
 
 

@@ -31,7 +31,7 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ..graph import ops
-from .offload_hopper import GroupBody, HopperOffload, _sinfo, groups_taken, replace_calls
+from .offload_hopper import GroupBody, HopperOffload, _sinfo, dataflow_blocks, groups_taken, replace_calls, users_of
 
 LOG = logging.getLogger("tvm_comfuse")
 
@@ -48,13 +48,10 @@ def match_elementwise(func: relax.Function):
     if body.var2val is None or len(body.outs) != 1 or not isinstance(body.outs[0], relax.Var) or body.outs[0] not in body.var2val:
         return None
     out_shape, out_dtype = _sinfo(body.outs[0])
-    found = body.chain_to_gemm(body.outs[0], ACTIVATIONS) if out_shape is not None else None
-    if found is None or not body.all_used():
+    read = body.read(body.outs[0], out_shape, ACTIVATIONS) if out_shape is not None else None
+    if read is None:
         return None
-    linear = body.linear(found, out_shape)
-    if linear is None:
-        return None
-    steps, operands, roles, mnk = linear
+    found, (steps, operands, roles, mnk) = read
     return Elementwise(_sinfo(found[1])[1], steps, operands, out_dtype), roles, mnk, out_shape
 
 
@@ -64,18 +61,6 @@ def taken_groups(mod: tvm.IRModule):
     from ..schedule import wgmma_elementwise as we  # pylint: disable=import-outside-toplevel
 
     return groups_taken(mod, "gemm_elementwise", match_elementwise, we.problems)
-
-
-def _users(block: relax.DataflowBlock, result) -> dict:
-    """Each variable of ``block`` -> the variables bound to expressions that use it (the
-    function's result counts as a user that is not a dataflow variable)."""
-    users = {}
-    for b in block.bindings:
-        for v in relax.analysis.free_vars(b.value):
-            users.setdefault(v, []).append(b.var)
-    for v in relax.analysis.free_vars(result):
-        users.setdefault(v, []).append(None)
-    return users
 
 
 def layout_tail(var, users: dict, var2val: dict, out_shape):
@@ -121,21 +106,16 @@ def _tails(mod: tvm.IRModule, names) -> dict:
     """Group name -> ``(tail vars, layout, cast)`` for each group in ``names`` called once, from a
     dataflow block, with a :func:`layout_tail` after it."""
     calls, found = {}, {}
-    for _, func in mod.functions_items():
-        if not isinstance(func, relax.Function) or not isinstance(func.body, relax.SeqExpr):
-            continue
-        for block in func.body.blocks:
-            if not isinstance(block, relax.DataflowBlock):
-                continue
-            users, var2val = None, {b.var: b.value for b in block.bindings}
-            for b in block.bindings:
-                if isinstance(b.value, relax.Call) and isinstance(b.value.op, relax.GlobalVar) and b.value.op.name_hint in names:
-                    name = b.value.op.name_hint
-                    calls[name] = calls.get(name, 0) + 1
-                    users = users or _users(block, func.body.body)
-                    tail = layout_tail(b.var, users, var2val, _sinfo(b.var)[0])
-                    if tail is not None:
-                        found[name] = tail
+    for func, block in dataflow_blocks(mod):
+        users, var2val = None, {b.var: b.value for b in block.bindings}
+        for b in block.bindings:
+            if isinstance(b.value, relax.Call) and isinstance(b.value.op, relax.GlobalVar) and b.value.op.name_hint in names:
+                name = b.value.op.name_hint
+                calls[name] = calls.get(name, 0) + 1
+                users = users or users_of(block, func.body.body)
+                tail = layout_tail(b.var, users, var2val, _sinfo(b.var)[0])
+                if tail is not None:
+                    found[name] = tail
     return {name: tail for name, tail in found.items() if calls[name] == 1}
 
 
