@@ -235,3 +235,67 @@ def test_shipped_tuned_configurations_compile_clean(shape):
     source = codegen.cuda_source(build(hopper.description_of(task.mod).kernel(cfg)))
     assert codegen.wgmma_hazards(codegen.sass(codegen.compile_with_nvcc(source, "sm_90a"))) == []
     assert codegen.ptxas_usage(source)["spill"] == 0
+
+
+ALL = ("post_norm", "attention", "elementwise")
+
+
+def _bert_layer():
+    return workloads.bert_encoder(layers=1, hidden=128, heads=2, batch=2, seq=128, dtype="float16")[0]
+
+
+def test_elementwise_groups_are_tasks_with_the_opt_in_group():
+    """With ``hopper_groups`` naming ``elementwise``, each GEMM + elementwise group the kernel
+    takes is a ``wgmma_elementwise`` task as the compile builds it (Q and K, which the attention
+    kernel reads in the projections' own layout, share one; V writes its transpose), no rule
+    task is left for them, and the space is every configuration the kernel takes, default first."""
+    from tvm_comfuse.schedule import wgmma_elementwise as we  # pylint: disable=import-outside-toplevel
+
+    target = tvm.target.Target(H100)
+    tasks = extract_tasks(_bert_layer(), target, hopper_groups=ALL)
+    ew = [t for t in tasks if t.kind == "wgmma_elementwise"]
+    assert sorted(t.weight for t in ew) == [1, 1, 2] and not [t for t in tasks if t.kind == "gemm_elementwise"]
+    assert [t.kind for t in extract_tasks(_bert_layer(), target)].count("wgmma_elementwise") == 0  # the default groups
+    layouts = {hopper.description_of(t.mod).spec.layout for t in ew}
+    assert () in layouts and any(lay and lay[1] == (0, 2, 3, 1) for lay in layouts)
+    desc = hopper.description_of(ew[0].mod)
+    space = desc.configs()
+    assert space[0] == we.default_config(*desc.mnk, desc.spec.dtype) and len(set(space)) == len(space) > 1
+    ctx = ms.TuneContext(mod=ew[0].mod, target=target, space_generator=hopper.space(target), task_name="t", num_threads=1)
+    assert [hopper.config_of(s.trace) for s in ctx.generate_design_space()] == space
+
+
+def test_an_elementwise_candidate_builds_with_the_workload_signature():
+    """A candidate of the GEMM + elementwise kernel builds (in the builder's worker pool) into a
+    module whose entry takes the workload's arguments, its output in the layout the tail asks."""
+    target = tvm.target.Target(H100)
+    task = next(t for t in extract_tasks(_bert_layer(), target, hopper_groups=ALL)
+                if t.kind == "wgmma_elementwise" and hopper.description_of(t.mod).spec.layout)
+    ctx = ms.TuneContext(mod=task.mod, target=target, space_generator=hopper.space(target), task_name="t", num_threads=1)
+    last = ctx.generate_design_space()[-1]
+    (result,) = worker_pool(workers=1).build([ms.builder.BuilderInput(last.mod, target)])
+    assert result.error_msg is None and os.path.isfile(result.artifact_path)
+
+
+def test_compile_uses_the_fastest_elementwise_record(tmp_path, monkeypatch, caplog):
+    """``get_pipeline(..., database=DIR, hopper_groups=...)``: each GEMM + elementwise group with
+    a record builds its fastest configuration, the others the default, and the count says so."""
+    from tvm_comfuse.pipeline import load_database  # pylint: disable=import-outside-toplevel
+    from tvm_comfuse.schedule import wgmma_elementwise as we  # pylint: disable=import-outside-toplevel
+    from tvm_comfuse.transform import OffloadHopperAttention, OffloadHopperElementwise  # pylint: disable=import-outside-toplevel
+
+    target, mod = tvm.target.Target(H100), _bert_layer()
+    ffn1 = next(t for t in extract_tasks(mod, target, hopper_groups=ALL)
+                if t.kind == "wgmma_elementwise" and hopper.description_of(t.mod).mnk[1] == 512)
+    space = hopper.description_of(ffn1.mod).configs()
+    logs = _logs(tmp_path, ffn1, [(space[0], 3e-5), (space[5], 2e-5)])
+    seen, real = [], we.wgmma_elementwise
+    monkeypatch.setattr(we, "wgmma_elementwise", lambda *a, **kw: seen.append(a[4] if len(a) > 4 else kw.get("cfg")) or real(*a, **kw))
+    noop = lambda *_: None  # noqa: E731
+    with caplog.at_level(logging.INFO, logger="tvm_comfuse"), target:
+        grouped = FuseComputeMemory(target=target, hopper=True)(mod)
+        grouped = OffloadHopperAttention(target, noop)(OffloadHopperPostNorm(target, noop)(grouped))
+        OffloadHopperElementwise(target, noop, load_database(logs, target))(grouped)
+    assert space[5] in seen and seen.count(None) == len(seen) - 1
+    assert "1 of 4 wgmma GEMM + elementwise groups use tuned configurations" in caplog.text
+    assert applied_from_database(mod, H100, logs, hopper_groups=ALL)[0] == 1

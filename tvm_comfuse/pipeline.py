@@ -121,7 +121,7 @@ HOPPER_GROUPS = ("post_norm", "attention", "elementwise")
 DEFAULT_HOPPER_GROUPS = ("post_norm",)
 
 
-def _hopper_groups(groups) -> tuple:
+def resolve_hopper_groups(groups) -> tuple:
     groups = DEFAULT_HOPPER_GROUPS if groups is None else tuple(groups)
     unknown = sorted(set(groups) - set(HOPPER_GROUPS))
     if unknown:
@@ -131,17 +131,17 @@ def _hopper_groups(groups) -> tuple:
 
 def fusion_passes(target=None, hopper: bool | None = None, database=None, build=None, hopper_groups=None):
     """FuseComputeMemory (and, with ``hopper`` (``None``: on sm_90 targets), the wgmma kernels of
-    ``hopper_groups`` (default :data:`DEFAULT_HOPPER_GROUPS`), the post-norms configured from
-    ``database`` where it has their records), then the vanilla legalisation and fusion of the
+    ``hopper_groups`` (default :data:`DEFAULT_HOPPER_GROUPS`), configured from ``database`` where
+    it has their records), then the vanilla legalisation and fusion of the
     rest, then the annotation of the fused PrimFuncs: everything up to scheduling. ``build``: as
     :class:`OffloadHopperPostNorm`'s. The attention pass runs before the elementwise one, which
     folds the casts and the transpose it leaves on the projections' outputs into their kernels."""
-    groups = _hopper_groups(hopper_groups)
+    groups = resolve_hopper_groups(hopper_groups)
     offload = []
     if target is not None and uses_hopper(target, hopper):
         offload += [OffloadHopperPostNorm(target, build, database)] if "post_norm" in groups else []
         offload += [OffloadHopperAttention(target, build)] if "attention" in groups else []
-        offload += [OffloadHopperElementwise(target, build)] if "elementwise" in groups else []
+        offload += [OffloadHopperElementwise(target, build, database)] if "elementwise" in groups else []
     keeps = bool(offload) and "post_norm" in groups  # groups the rule declines stay whole for the post-norm kernel
     return [FuseComputeMemory(target=target, hopper=keeps), *offload, *vanilla_fusion_passes(), AnnotateFusedBlocks()]
 

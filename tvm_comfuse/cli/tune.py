@@ -18,6 +18,8 @@ EXAMPLES = """examples:
   comfuse tune tiny-postnorm --trials 32                   continue the same logs up to 32 trials in all
   comfuse tune bert-base-attnout --target nvidia/nvidia-h100 --trials 64   the wgmma kernel's configurations
   comfuse tune bert-base-attnout --target nvidia/nvidia-h100 --no-hopper   the portable mma.sync rule instead
+  comfuse tune bert-base --layers 3 --target nvidia/nvidia-h100 --hopper-groups post_norm attention elementwise
+                                                           the opt-in Hopper kernels too (compile with the same groups)
   comfuse tune bert-base --layers 2 --target '{"kind": "cuda", "arch": "sm_90"}' --include-vanilla
   comfuse tune my_model.py --work-dir logs/mine            a Relax IRModule saved with mod.script()
   comfuse tune serving.py --bind n=4096 --target nvidia/nvidia-h100   symbolic rows ("n"), tuned at n = 4096
@@ -40,6 +42,9 @@ def add_parser(sub) -> None:
     p.add_argument("--no-hopper", action="store_true",
                    help="on sm_90, tune the portable mma.sync rule's kernels (what get_pipeline(target, hopper=False) "
                         "compiles) instead of the Hopper wgmma post-norm kernel's configurations")
+    p.add_argument("--hopper-groups", nargs="+", metavar="GROUP",
+                   help="on sm_90, the Hopper kernels the compile will run, as get_pipeline(target, hopper_groups=...): "
+                        "post_norm (the default), attention, elementwise (its configurations are tuned too)")
     p.add_argument("--layers", type=int, help="encoder layers for bert-base/bert-large (default: the real depth)")
     p.add_argument("--batch", type=int, default=64, help="candidates per measurement round; logs grow after each (default 64)")
     p.add_argument("--bind", action="append", metavar="VAR=VALUE",
@@ -54,12 +59,12 @@ def run(args) -> int:
         workload=args.workload, target=args.target, trials=args.trials, work_dir=args.work_dir, seed=args.seed,
         quiet=args.quiet, include_vanilla=args.include_vanilla, rpc_tracker=args.rpc_tracker,
         rpc_key=args.rpc_key, layers=args.layers, batch=args.batch, bind=tuning.parse_bind(args.bind),
-        hopper=False if args.no_hopper else None,
+        hopper=False if args.no_hopper else None, hopper_groups=tuple(args.hopper_groups) if args.hopper_groups else None,
     )
     result = tuning.tune(options)
     with open(f"{result.work_dir}/summary.txt", encoding="utf-8") as f:
         print(f.read(), end="")
-    tuned, total = tuning.applied_from_database(result.module, result.target, result.work_dir, options.hopper)
+    tuned, total = tuning.applied_from_database(result.module, result.target, result.work_dir, options.hopper, options.hopper_groups)
     print(f"{tuned} of {total} kernels will compile from these logs, {total - tuned} with the default schedule")
     if result.interrupted:
         print(f"interrupted: {result.measured} trials measured this run are kept in {result.work_dir}", file=sys.stderr)

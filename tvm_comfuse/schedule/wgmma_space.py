@@ -1,4 +1,4 @@
-"""The Hopper post-norm kernel's configurations for one shape: what ``comfuse tune`` searches.
+"""The Hopper kernels' configurations for one shape: what ``comfuse tune`` searches.
 
 :func:`~.wgmma_postnorm.default_config` picks one configuration by rules measured on the
 H200; this is every configuration :func:`~.wgmma_postnorm.problems` accepts for a shape, so
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 
+from . import wgmma_elementwise as we
 from .wgmma_mainloop import WgmmaConfig
 from .wgmma_postnorm import DEFAULT_CLUSTER_SIZES, MAX_CONSUMERS, PostNorm, default_config, problems
 
@@ -48,4 +49,19 @@ def configs(m: int, n: int, k: int, spec: PostNorm) -> list[WgmmaConfig]:
             cfg = WgmmaConfig(bm=bm, bn=n // ranks, stages=stages, bk=bk, wg_n=wg_n, resident=resident, pingpong=pingpong)
             if cfg not in found and not problems(m, n, k, spec, cfg):
                 found.append(cfg)
+    return found
+
+
+def elementwise_configs(m: int, n: int, k: int, spec: we.Elementwise) -> list[WgmmaConfig]:
+    """The GEMM + elementwise kernel's configurations for ``m x n x k``: its tiles
+    (:data:`~.wgmma_elementwise.TILES`, one consumer warpgroup a 64-row slice), ring depths and
+    K steps, the untuned default first (none where the kernel cannot take the shape)."""
+    default = we.default_config(m, n, k, spec.dtype)
+    if default is None or we.problems(m, n, k, spec, default):
+        return []
+    found = [default]
+    for (bm, bn), stages, bk in itertools.product(we.TILES, STAGES, K_STEPS):
+        cfg = WgmmaConfig(bm=bm, bn=bn, stages=stages, bk=bk)
+        if cfg not in found and not we.problems(m, n, k, spec, cfg):
+            found.append(cfg)
     return found

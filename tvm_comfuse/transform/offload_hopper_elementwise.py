@@ -152,6 +152,24 @@ def _rewrite_tails(mod: tvm.IRModule, plans: dict) -> tvm.IRModule:
     return rewriter.builder_.get()
 
 
+def planned_groups(mod: tvm.IRModule):
+    """``(global var, function, spec, roles, (M, N, K), out_shape, tail vars or None)`` of each
+    group the kernel takes, ``spec`` extended by the layout and cast of the tail after its call
+    (what the kernel then writes; ``out_shape`` stays the group's ``[*rows, N]``): what
+    :class:`OffloadHopperElementwise` builds and ``comfuse tune`` makes its tasks."""
+    from ..schedule.chain import Step  # pylint: disable=import-outside-toplevel
+
+    taken = list(taken_groups(mod))
+    tails = _tails(mod, {gv.name_hint for gv, *_ in taken})
+    for gv, func, (spec, roles, mnk, out_shape) in taken:
+        tail = tails.get(gv.name_hint)
+        if tail is not None:  # the layout ops after it: the kernel writes their result
+            tail_vars, layout, cast = tail
+            spec = dataclasses.replace(spec, steps=spec.steps + ((Step("cast", cast),) if cast else ()),
+                                       out_dtype=cast or spec.out_dtype, layout=layout)
+        yield gv, func, spec, roles, mnk, out_shape, tail_vars if tail is not None else None
+
+
 @tvm.transform.module_pass(opt_level=0, name="OffloadHopperElementwise")
 class OffloadHopperElementwise(HopperOffload):  # pylint: disable=too-few-public-methods
     """Replace the GEMM + elementwise groups the wgmma kernel takes by calls of it (see the
@@ -160,36 +178,47 @@ class OffloadHopperElementwise(HopperOffload):  # pylint: disable=too-few-public
     ``build(prim_func, symbol, spec, (m, n, k))`` makes each kernel available under ``symbol``,
     as :class:`~tvm_comfuse.transform.OffloadHopperPostNorm`'s does (the CPU tests register a
     NumPy model). Groups that compute the same kernel (a model's layers) share one build.
+    ``database``: a group with a record there (``comfuse tune --hopper-groups ... elementwise``)
+    runs its fastest configuration, the others the default.
     """
+
+    def __init__(self, target, build=None, database=None):
+        super().__init__(target, build)
+        self.database = database
+
+    def _config(self, func, spec, roles, mnk, out_shape):
+        if self.database is None:
+            return None
+        from ..tune import hopper  # pylint: disable=import-outside-toplevel  (tune imports the pipeline)
+
+        return hopper.tuned_config(self.database, hopper.workload(func, hopper.describe_elementwise(spec, roles, mnk, out_shape)))
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         """Build each eligible group's kernel, rewrite its calls, drop the outlined function."""
         from ..schedule import wgmma_elementwise as we  # pylint: disable=import-outside-toplevel
-        from ..schedule.chain import Step  # pylint: disable=import-outside-toplevel
 
         build = self.builder()
         if build is None:
             return mod
-        offloads, built, symbols, plans = {}, [], {}, {}
-        taken = list(taken_groups(mod))
-        tails = _tails(mod, {gv.name_hint for gv, *_ in taken})
-        for gv, _func, (spec, roles, mnk, out_shape) in taken:
-            tail = tails.get(gv.name_hint)
-            if tail is not None:  # the layout ops after it: the kernel writes their result
-                vars_, layout, cast = tail
-                spec = dataclasses.replace(spec, steps=spec.steps + ((Step("cast", cast),) if cast else ()),
-                                           out_dtype=cast or spec.out_dtype, layout=layout)
-            key = (spec, mnk, tuple(out_shape))
+        offloads, built, symbols, plans, tuned = {}, [], {}, {}, 0
+        for gv, func, spec, roles, mnk, out_shape, tail in planned_groups(mod):
+            cfg = self._config(func, spec, roles, mnk, out_shape)
+            tuned += cfg is not None
+            key = (spec, mnk, tuple(out_shape), cfg)
             if key not in symbols:
                 symbols[key] = f"comfuse_wgmma_ew_{len(symbols)}_{gv.name_hint}"[:120]
-                module = build(we.wgmma_elementwise(*mnk, spec, lead=out_shape[:-1]), symbols[key], spec, mnk)
+                module = build(we.wgmma_elementwise(*mnk, spec, cfg, lead=out_shape[:-1]), symbols[key], spec, mnk)
                 if module is not None:
                     built.append(module)
             offloads[gv.name_hint] = (symbols[key], roles, out_shape, spec.out_dtype, ("out",))
             if tail is not None:
-                plans[gv.name_hint] = (symbols[key], roles, list(_sinfo(tail[0][-1])[0]), spec.out_dtype, tail[0])
+                plans[gv.name_hint] = (symbols[key], roles, list(_sinfo(tail[-1])[0]), spec.out_dtype, tail)
         if not offloads:
             return mod
         LOG.info("ComFuse: %d GEMM + elementwise group(s) run as %d wgmma kernel(s), %d writing the layout of the "
                  "reshapes, transposes and casts after them", len(offloads), len(symbols), len(plans))
+        if self.database is not None:
+            (LOG.warning if tuned < len(offloads) else LOG.info)(
+                "ComFuse: %d of %d wgmma GEMM + elementwise groups use tuned configurations, %d the untuned defaults",
+                tuned, len(offloads), len(offloads) - tuned)
         return replace_calls(_rewrite_tails(mod, plans) if plans else mod, offloads, built)

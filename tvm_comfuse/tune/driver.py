@@ -50,6 +50,9 @@ class TuneOptions:
     #: Tune the Hopper post-norm kernel's configurations where it takes a group (None: on sm_90
     #: targets, as ``get_pipeline`` compiles; False: the mma.sync rule's schedules instead).
     hopper: bool | None = None
+    #: The Hopper kernels the compile will run (``get_pipeline``'s ``hopper_groups``): with
+    #: ``elementwise``, the GEMM + elementwise kernel's configurations are tuned too.
+    hopper_groups: tuple | None = None
 
 
 @dataclass
@@ -111,7 +114,7 @@ def prepare(options: TuneOptions):
     work.check()
     runner = measure.runner(options.rpc_tracker, options.rpc_key)
     # symbolic groups compile with the rule (the Hopper kernel needs static shapes): tune the rule
-    tasks = extract_tasks(mod, target, options.include_vanilla, False if options.bind else options.hopper)
+    tasks = extract_tasks(mod, target, options.include_vanilla, False if options.bind else options.hopper, options.hopper_groups)
     if options.bind:
         with_symbolic(tasks, symbolic, target)
     if not tasks:

@@ -1,7 +1,9 @@
-"""The Hopper post-norm kernel as a MetaSchedule task: workload, space, build and lookup.
+"""The Hopper kernels as MetaSchedule tasks: workload, space, build and lookup.
 
-The wgmma kernel (:mod:`tvm_comfuse.schedule.wgmma_postnorm`) is a tirx program, not a schedule
-of an s_tir PrimFunc, so MetaSchedule cannot search it the usual way. What makes it a task:
+The wgmma kernels (:mod:`tvm_comfuse.schedule.wgmma_postnorm`, and the GEMM + elementwise one,
+:mod:`tvm_comfuse.schedule.wgmma_elementwise`: each a :class:`Family`) are tirx programs, not
+schedules of an s_tir PrimFunc, so MetaSchedule cannot search them the usual way. What makes
+one a task:
 
 - **Workload**: the group's own PrimFunc, what LegalizeOps and FuseTIR make of the outlined
   post-norm function (the computation, with the group's parameter order), tagged with the
@@ -34,49 +36,98 @@ import tvm
 from tvm import relax, s_tir, tirx
 from tvm.s_tir import meta_schedule as ms
 
+from ..schedule import wgmma_elementwise as we
 from ..schedule import wgmma_postnorm as wp
+from ..schedule.chain import Step
 from ..schedule.wgmma_mainloop import WgmmaConfig
-from ..schedule.wgmma_space import configs
+from ..schedule.wgmma_space import configs, elementwise_configs
 
 LOG = logging.getLogger("tvm_comfuse")
-#: Task kind, and the PrimFunc attribute holding the kernel's description (JSON).
+#: Task kind of the post-norm kernel, and the PrimFunc attribute holding a kernel's description (JSON).
 KIND = "wgmma_postnorm"
 KERNEL_ATTR = "comfuse.wgmma_postnorm"
 #: Root-block annotation holding a candidate's configuration (JSON of a WgmmaConfig).
 CONFIG_ANN = "comfuse.wgmma_config"
-OUTPUTS = ("out", "norm")
+
+
+def _postnorm_spec(d: dict) -> wp.PostNorm:
+    return wp.PostNorm(**{**d, "steps": tuple(Step(**s) for s in d["steps"]), "operands": tuple(tuple(o) for o in d["operands"])})
+
+
+def _elementwise_spec(d: dict) -> we.Elementwise:
+    layout = tuple(tuple(part) for part in d["layout"]) if d["layout"] else ()
+    return we.Elementwise(d["dtype"], tuple(Step(**s) for s in d["steps"]), tuple(tuple(o) for o in d["operands"]),
+                          d["out_dtype"], layout)
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """A Hopper kernel as tuning sees it: its task kind, its outputs by name, how its
+    description is read back, its kernel, its configurations (the default first) and what keeps
+    a configuration from running."""
+
+    kind: str
+    outputs: tuple
+    spec: object  # dict -> the kernel's description dataclass
+    kernel: object  # (m, n, k, spec, cfg, lead) -> tirx PrimFunc
+    configs: object  # (m, n, k, spec) -> [WgmmaConfig]
+    problems: object  # (m, n, k, spec, cfg) -> [str]
+
+
+FAMILIES = {
+    "postnorm": Family(KIND, ("out", "norm"), _postnorm_spec,
+                       lambda m, n, k, spec, cfg, lead: wp.wgmma_postnorm(m, n, k, spec, cfg, lead=lead), configs, wp.problems),
+    "elementwise": Family("wgmma_elementwise", ("out",), _elementwise_spec,
+                          lambda m, n, k, spec, cfg, lead: we.wgmma_elementwise(m, n, k, spec, cfg, lead=lead), elementwise_configs,
+                          we.problems),
+}
+#: The task kinds of the Hopper kernels.
+KINDS = tuple(f.kind for f in FAMILIES.values())
 
 
 @dataclasses.dataclass(frozen=True)
 class Description:
-    """What the kernel needs beyond a configuration: the chain, the shape, and where its
-    parameters ``(x, w, operands..., gamma[, beta], out[, norm])`` are in the group's."""
+    """What a Hopper kernel needs beyond a configuration: its family, its description (the chain,
+    the norm), the shape, and where its parameters ``(x, w, operands..., [gamma, beta,] out[,
+    norm])`` are in the group's."""
 
-    spec: wp.PostNorm
+    spec: object
     mnk: tuple
     lead: tuple
     roles: tuple  # kernel input i is the group's parameter roles[i]
     order: tuple  # the group's outputs, by name
+    family: str = "postnorm"
 
     def to_json(self) -> str:
-        return json.dumps({"spec": dataclasses.asdict(self.spec), "mnk": self.mnk, "lead": self.lead,
-                           "roles": self.roles, "order": self.order}, sort_keys=True)
+        d = {"spec": dataclasses.asdict(self.spec), "mnk": self.mnk, "lead": self.lead, "roles": self.roles, "order": self.order}
+        if self.family != "postnorm":  # the post-norm's JSON (what the shipped logs' workloads carry) stays as it was
+            d["family"] = self.family
+        return json.dumps(d, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> Description:
         d = json.loads(text)
-        spec = dict(d["spec"])
-        spec["steps"] = tuple(wp.Step(**s) for s in spec["steps"])
-        spec["operands"] = tuple(tuple(o) for o in spec["operands"])
-        return cls(wp.PostNorm(**spec), tuple(d["mnk"]), tuple(d["lead"]), tuple(d["roles"]), tuple(d["order"]))
+        family = d.get("family", "postnorm")
+        return cls(FAMILIES[family].spec(d["spec"]), tuple(d["mnk"]), tuple(d["lead"]), tuple(d["roles"]), tuple(d["order"]), family)
+
+    @property
+    def kind(self) -> str:
+        return FAMILIES[self.family].kind
+
+    def configs(self) -> list:
+        return FAMILIES[self.family].configs(*self.mnk, self.spec)
+
+    def problems(self, cfg: WgmmaConfig) -> list:
+        return FAMILIES[self.family].problems(*self.mnk, self.spec, cfg)
 
     def kernel(self, cfg: WgmmaConfig | None = None) -> tirx.PrimFunc:
         """The kernel for ``cfg`` (None: the default), its parameters in the group's order."""
-        func = wp.wgmma_postnorm(*self.mnk, self.spec, cfg, lead=self.lead)
+        family = FAMILIES[self.family]
+        func = family.kernel(*self.mnk, self.spec, cfg, self.lead)
         inputs = len(self.roles)
         if sorted(self.roles) != list(range(inputs)):
             raise ValueError(f"kernel inputs {self.roles} are not a permutation of the group's {inputs} parameters")
-        perm = [self.roles.index(i) for i in range(inputs)] + [inputs + OUTPUTS.index(name) for name in self.order]
+        perm = [self.roles.index(i) for i in range(inputs)] + [inputs + family.outputs.index(name) for name in self.order]
         return tirx.PrimFunc([func.params[j] for j in perm], func.body, func.ret_type, func.attrs)
 
 
@@ -86,8 +137,14 @@ def describe(found) -> Description:
     return Description(spec, tuple(mnk), tuple(out_shape[:-1]), tuple(roles), tuple(order))
 
 
+def describe_elementwise(spec, roles, mnk, out_shape) -> Description:
+    """The :class:`Description` of a GEMM + elementwise group as the offload builds it (its
+    ``spec`` with the layout and cast it writes; ``out_shape`` the group's own ``[*rows, N]``)."""
+    return Description(spec, tuple(mnk), tuple(out_shape[:-1]), tuple(roles), ("out",), "elementwise")
+
+
 def workload(func: relax.Function, desc: Description) -> tvm.IRModule:
-    """The task module of the outlined post-norm function ``func``: its fused PrimFunc (as
+    """The task module of the outlined group function ``func``: its fused PrimFunc (as
     LegalizeOps and FuseTIR make it) as ``main``, tagged with ``desc``."""
     params = [relax.Var(p.name, p.ty) for p in func.params]
     bb = relax.BlockBuilder()
@@ -123,7 +180,7 @@ def space(_target: tvm.target.Target, _symbolic=None) -> ms.space_generator.Spac
     def generate(sch: s_tir.Schedule):
         desc = description_of(sch.mod)
         out = []
-        for cfg in configs(*desc.mnk, desc.spec):
+        for cfg in desc.configs():
             one = sch.copy()
             one.annotate(one.get_sblock("root"), CONFIG_ANN, config_json(cfg))
             out.append(one)
@@ -158,9 +215,9 @@ def tuned_config(db: ms.Database, mod: tvm.IRModule) -> WgmmaConfig | None:
     if not records:
         return None
     cfg, desc = config_of(records[0].trace), description_of(mod)
-    why = ["no configuration annotated"] if cfg is None else wp.problems(*desc.mnk, desc.spec, cfg)
+    why = ["no configuration annotated"] if cfg is None else desc.problems(cfg)
     if why:
-        LOG.warning("ComFuse: a tuning record for the wgmma post-norm at M, N, K = %s is unusable (%s); using the default",
-                    desc.mnk, "; ".join(why))
+        LOG.warning("ComFuse: a tuning record for the %s kernel at M, N, K = %s is unusable (%s); using the default",
+                    desc.kind, desc.mnk, "; ".join(why))
         return None
     return cfg

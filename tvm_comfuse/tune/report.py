@@ -57,10 +57,10 @@ def decode(work_dir: str) -> dict:
         key = tvm_ffi.structural_hash(func)
         desc = hopper.description_of(func)
         if key not in spaces:  # every configuration listed (or scheduled) once per task, not once per record
-            spaces[key] = configs(*desc.mnk, desc.spec) if desc is not None else GemmRowTile().scheduled(s_tir.Schedule(func), target)
+            spaces[key] = desc.configs() if desc is not None else GemmRowTile().scheduled(s_tir.Schedule(func), target)
             first = spaces[key][0] if spaces[key] else None
             default = first if desc is not None else (first[0] if first else None)
-            tasks[key] = {"kind": hopper.KIND if desc is not None else "gemm_reduce",
+            tasks[key] = {"kind": desc.kind if desc is not None else "gemm_reduce",
                           "default": dataclasses.asdict(default) if default else None, "records": []}
         # the Hopper kernel's records name their configuration; the rule's are matched by schedule
         match = hopper.config_of(rec.trace) if desc is not None else config_of(rec.trace, func, target, spaces[key])

@@ -48,7 +48,7 @@ def _row_tile_space(target: tvm.target.Target, symbolic: tirx.PrimFunc | None = 
 #: ``(kind, "gpu"|"cpu") -> factory(target) -> SpaceGenerator``: ComFuse's own spaces.
 SPACES: dict[tuple[str, str], Callable[[tvm.target.Target], ms.space_generator.SpaceGenerator]] = {
     (GEMM_REDUCE, "gpu"): _row_tile_space,
-    (hopper.KIND, "gpu"): hopper.space,
+    **{(kind, "gpu"): hopper.space for kind in hopper.KINDS},
 }
 
 
@@ -70,7 +70,7 @@ def candidates(kind: str, target: tvm.target.Target, symbolic: tirx.PrimFunc | N
     if (kind, _family(target)) in SPACES:
         factory = SPACES[(kind, _family(target))]
         out.append((f"comfuse-{kind}", (lambda t: factory(t, symbolic)) if symbolic is not None else factory))
-    if kind == hopper.KIND:  # the kernel is not a schedule of its task's PrimFunc: no stock space applies
+    if kind in hopper.KINDS:  # the kernel is not a schedule of its task's PrimFunc: no stock space applies
         return out
     defaults = [("default", lambda _t: "post-order-apply"), ("default-no-autoinline", _without_auto_inline)]
     if kind != "vanilla" and not is_gpu(target):

@@ -59,9 +59,10 @@ def write_summary(work: WorkDir, tasks: list, reports: list, target) -> str:
     return text
 
 
-def applied_from_database(mod: tvm.IRModule, target, database, hopper: bool | None = None) -> tuple[int, int]:
+def applied_from_database(mod: tvm.IRModule, target, database, hopper: bool | None = None, hopper_groups=None) -> tuple[int, int]:
     """``(taken from the logs, total)`` kernels when ``mod`` compiles with ``database``: the
-    Hopper post-norm groups (``hopper`` as in ``get_pipeline``) with a tuned configuration, and
+    Hopper kernels' groups (``hopper`` and ``hopper_groups`` as in ``get_pipeline``) with a tuned
+    configuration, and
     the PrimFuncs MetaScheduleApplyDatabase marks scheduled when the pipeline's fusion and
     database stages run (what ``get_pipeline(target, database)`` runs before lowering)."""
     from ..pipeline import load_database  # pylint: disable=import-outside-toplevel
@@ -71,8 +72,9 @@ def applied_from_database(mod: tvm.IRModule, target, database, hopper: bool | No
 
     target = parse_target(target)
     use, db = uses_hopper(target, hopper), load_database(database, target)
-    groups = [(task.weight, wgmma.tuned_config(db, task.mod) is not None) for task in (hopper_tasks(mod, target) if use else [])]
+    groups = [(task.weight, wgmma.tuned_config(db, task.mod) is not None)
+              for task in (hopper_tasks(mod, target, hopper_groups) if use else [])]
     with target:
-        scheduled = tvm.transform.Sequential(schedule_passes(target, db)[:1])(fused_module(mod, target, use))
+        scheduled = tvm.transform.Sequential(schedule_passes(target, db)[:1])(fused_module(mod, target, use, hopper_groups))
     funcs = [f for _, f in scheduled.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
     return count_scheduled(funcs) + sum(w for w, tuned in groups if tuned), len(funcs) + sum(w for w, _ in groups)

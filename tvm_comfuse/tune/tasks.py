@@ -7,10 +7,11 @@ hopper=False)`` compiles the same module: a record tuned here is a record found 
 
 What MetaSchedule tunes: on sm_90 targets (where ``get_pipeline`` runs post-norm groups as the
 Hopper wgmma kernel by default) each group that kernel takes is a ``wgmma_postnorm`` task, its
-configurations the space (:mod:`.hopper`); every other fused group is a task of the gemm_reduce
-or gemm_elementwise rule's space (and, with ``include_vanilla``, the stock rules' for the
-rest). ``hopper=False`` tunes the portable mma.sync rule for every group instead, what
-``get_pipeline(target, hopper=False)`` compiles.
+configurations the space (:mod:`.hopper`), and with ``hopper_groups`` naming ``elementwise``
+each GEMM + elementwise group the Hopper kernel takes a ``wgmma_elementwise`` task; every other
+fused group is a task of the gemm_reduce or gemm_elementwise rule's space (and, with
+``include_vanilla``, the stock rules' for the rest). ``hopper=False`` tunes the portable
+mma.sync rule for every group instead, what ``get_pipeline(target, hopper=False)`` compiles.
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ import tvm
 import tvm_ffi
 from tvm.s_tir import meta_schedule as ms
 
-from ..pipeline import fusion_passes
-from ..transform import FuseComputeMemory
+from ..pipeline import resolve_hopper_groups, fusion_passes
+from ..transform import FuseComputeMemory, OffloadHopperAttention, OffloadHopperPostNorm
 from ..transform.fuse_compute_memory import KIND_ATTR
 from ..transform.offload_hopper import taken_groups, uses_hopper
+from ..transform.offload_hopper_elementwise import planned_groups
 from . import hopper
 
 #: Task kind of PrimFuncs that ComFuse did not fuse (tuned only with ``include_vanilla``).
@@ -43,36 +45,55 @@ class Task:
     symbolic: object = None
 
 
-def fused_module(mod: tvm.IRModule, target: tvm.target.Target, hopper: bool | None = False) -> tvm.IRModule:
+def fused_module(mod: tvm.IRModule, target: tvm.target.Target, hopper: bool | None = False, hopper_groups=None) -> tvm.IRModule:
     """``mod`` after ComFuse's fusion (and the vanilla fusion of the rest), before scheduling;
-    with ``hopper`` the groups the wgmma kernel takes are calls of it (not built here)."""
+    with ``hopper`` the groups the wgmma kernels of ``hopper_groups`` take are calls of them
+    (not built here)."""
     with target:
-        return tvm.transform.Sequential(fusion_passes(target, hopper, build=lambda *_: None))(mod)
+        return tvm.transform.Sequential(fusion_passes(target, hopper, build=lambda *_: None, hopper_groups=hopper_groups))(mod)
 
 
-def hopper_tasks(mod: tvm.IRModule, target: tvm.target.Target) -> list[Task]:
-    """A ``wgmma_postnorm`` task per distinct post-norm group the Hopper kernel takes (weighted
-    by its groups: a model's layers share one)."""
+def hopper_tasks(mod: tvm.IRModule, target: tvm.target.Target, hopper_groups=None) -> list[Task]:
+    """A task per distinct group a Hopper kernel of ``hopper_groups`` (``get_pipeline``'s) takes
+    and tuning has a space for, weighted by its groups (a model's layers share one): the
+    post-norms' ``wgmma_postnorm`` tasks, the GEMM + elementwise groups' ``wgmma_elementwise``
+    ones (as the compile will build them: after the other offloads, with the layouts their
+    tails ask for)."""
+    groups = resolve_hopper_groups(hopper_groups)
     with target:
-        grouped = FuseComputeMemory(target=target, hopper=True)(mod)
+        grouped = FuseComputeMemory(target=target, hopper="post_norm" in groups)(mod)
     tasks = {}
-    for gv, func, found in taken_groups(grouped):
-        task_mod = hopper.workload(func, hopper.describe(found))
+
+    def add(name, kind, task_mod):
         key = tvm_ffi.structural_hash(task_mod)
         if key in tasks:
             tasks[key].weight += 1
         else:
-            tasks[key] = Task(gv.name_hint, hopper.KIND, task_mod, 1)
+            tasks[key] = Task(name, kind, task_mod, 1)
+
+    if "post_norm" in groups:
+        for gv, func, found in taken_groups(grouped):
+            add(gv.name_hint, hopper.KIND, hopper.workload(func, hopper.describe(found)))
+    if "elementwise" in groups:
+        noop = lambda *_: None  # noqa: E731  (rewrite the graph as the compile does, build nothing)
+        before = [OffloadHopperPostNorm(target, noop)] if "post_norm" in groups else []
+        before += [OffloadHopperAttention(target, noop)] if "attention" in groups else []
+        with target:
+            seen = tvm.transform.Sequential(before)(grouped)
+        for gv, func, spec, roles, mnk, out_shape, _ in planned_groups(seen):
+            desc = hopper.describe_elementwise(spec, roles, mnk, out_shape)
+            add(gv.name_hint, desc.kind, hopper.workload(func, desc))
     return list(tasks.values())
 
 
 def extract_tasks(mod: tvm.IRModule, target: tvm.target.Target, include_vanilla: bool = False,
-                  hopper: bool | None = None) -> list[Task]:
+                  hopper: bool | None = None, hopper_groups=None) -> list[Task]:
     """The fused PrimFuncs of ``mod`` (and, with ``include_vanilla``, all the others); the
-    Hopper kernel's groups first where ``hopper`` (None: on sm_90 targets)."""
+    Hopper kernels' groups first where ``hopper`` (None: on sm_90 targets; ``hopper_groups`` as
+    in ``get_pipeline``)."""
     use = uses_hopper(target, hopper)
-    tasks = hopper_tasks(mod, target) if use else []
-    for extracted in ms.relax_integration.extract_tasks(fused_module(mod, target, use), target):
+    tasks = hopper_tasks(mod, target, hopper_groups) if use else []
+    for extracted in ms.relax_integration.extract_tasks(fused_module(mod, target, use, hopper_groups), target):
         func = extracted.dispatched[0]["main"]
         kind = func.attrs.get(KIND_ATTR) if func.attrs is not None else None
         if kind is None and not include_vanilla:
