@@ -134,7 +134,8 @@ def _bad(work, *args, target=TARGET, workload="tiny-postnorm"):
 
 
 @pytest.mark.parametrize(
-    "case", ["workload", "mismatched-shapes", "target", "other-target", "other-tvm", "corrupt", "truncated", "no-gpu", "tracker"]
+    "case", ["workload", "mismatched-shapes", "target", "other-target", "other-tvm", "corrupt", "truncated", "no-gpu", "tracker",
+             "hopper-groups"]
 )
 def test_bad_inputs_leave_logs_identical(tuned, tmp_path, capsys, case):
     import shutil
@@ -179,6 +180,9 @@ def test_bad_inputs_leave_logs_identical(tuned, tmp_path, capsys, case):
             pytest.skip("a GPU is present")
         _bad(work, target="nvidia/nvidia-h100")
         assert "none was found" in capsys.readouterr().err
+    elif case == "hopper-groups":
+        _bad(work, "--hopper-groups", "post_norm", "softmax")
+        assert "['softmax']" in capsys.readouterr().err
     else:
         _bad(work, "--rpc-tracker", "127.0.0.1:1", "--rpc-key", "k")
         assert "cannot reach the RPC tracker" in capsys.readouterr().err
