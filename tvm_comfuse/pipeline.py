@@ -122,6 +122,8 @@ DEFAULT_HOPPER_GROUPS = ("post_norm",)
 
 
 def resolve_hopper_groups(groups) -> tuple:
+    """``groups`` (None: :data:`DEFAULT_HOPPER_GROUPS`) as a tuple; an unknown name is an error
+    that lists the known ones."""
     groups = DEFAULT_HOPPER_GROUPS if groups is None else tuple(groups)
     unknown = sorted(set(groups) - set(HOPPER_GROUPS))
     if unknown:

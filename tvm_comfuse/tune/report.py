@@ -23,7 +23,6 @@ from tvm.s_tir import meta_schedule as ms
 
 from ..pipeline import load_database
 from ..schedule import GemmRowTile
-from ..schedule.wgmma_space import configs
 from ..target import parse_target
 from . import hopper
 from .logs import FAILED_SECS, META_FILE, RECORD_FILE, WORKLOAD_FILE
