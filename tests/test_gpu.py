@@ -331,6 +331,8 @@ def _chain_reference(spec, x, w, operands):
     (256, 256, 128, "float16", "relu", (64, 128, 2, 32, 1), None, None),
     (1024, 1024, 1024, "float16", "gelu_tanh", (256, 128, 4, 64, 1), None, None),
     (512, 512, 512, "float16", "silu_residual", (128, 256, 3, 64, 2), (4, 128), None),  # two column warpgroups
+    (1000, 768, 768, "float16", "projection", None, (8, 125), (0, 2, 1, 3)),  # rows no tile divides, head layout
+    (100, 3072, 768, "bfloat16", "ffn1", None, None, None),
 ])
 def test_gpu_wgmma_elementwise_matches_torch(M, N, K, dtype, chain, cfg, lead, axes):
     """The GEMM + elementwise kernel (written on CPU in session 14) against PyTorch: BERT's chains

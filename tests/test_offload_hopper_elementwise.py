@@ -176,12 +176,12 @@ def test_layout_offsets_are_where_numpy_puts_each_element(dims, axes):
 
 def test_default_tiles_fill_the_waves():
     """At M = 4096: N = 768 takes 128 x 192 tiles (128 CTAs, one wave of the 132 SMs; 128 x 256
-    would leave 36 idle), N = 3072 the plain GEMM's fastest 128 x 256; rows no tile divides are
-    declined with the reason."""
+    would leave 36 idle), N = 3072 the plain GEMM's fastest 128 x 256; any M is taken (a partial
+    last row tile), a row no tile divides is declined with the reason."""
     assert (we.default_config(4096, 768, 768).bm, we.default_config(4096, 768, 768).bn) == (128, 192)
     assert (we.default_config(4096, 3072, 768).bm, we.default_config(4096, 3072, 768).bn) == (128, 256)
-    assert we.default_config(100, 768, 768) is None
-    assert "no tile" in we.problems(100, 768, 768, FFN1)[0]
+    assert we.default_config(100, 768, 768).bm == 64 and we.problems(100, 768, 768, FFN1) == []
+    assert "no tile" in we.problems(4096, 96, 768, FFN1)[0]
 
 
 @pytest.mark.skipif(not codegen.have_nvcc(), reason="nvcc is not installed")
@@ -199,19 +199,23 @@ def test_sm90a_compile_runs_the_groups_as_wgmma_kernels(caplog):
 
 
 @pytest.mark.skipif(not codegen.have_nvcc(), reason="nvcc is not installed")
-@pytest.mark.parametrize("mnk, spec", [
-    ((4096, 3072, 768), FFN1),
-    ((4096, 768, 768), we.Elementwise("float16", FFN1.steps[:3], FFN1.operands, "float32")),
+@pytest.mark.parametrize("mnk, spec, lead", [
+    ((4096, 3072, 768), FFN1, (32, 128)),
+    ((4096, 768, 768), we.Elementwise("float16", FFN1.steps[:3], FFN1.operands, "float32"), (32, 128)),
     # the projections as the pass builds them: K written as [B * H, D, S] in fp16
     ((4096, 768, 768), we.Elementwise("float16", FFN1.steps[:3] + (Step("cast", "float16"),), FFN1.operands, "float16",
-                                      ((32, 128, 12, 64), (0, 2, 3, 1), (384, 64, 128)))),
+                                      ((32, 128, 12, 64), (0, 2, 3, 1), (384, 64, 128))), (32, 128)),
+    # 1000 rows (8 x 125): a partial last row tile, its stores guarded
+    ((1000, 768, 768), we.Elementwise("float16", FFN1.steps[:3] + (Step("cast", "float16"),), FFN1.operands, "float16",
+                                      ((8, 125, 12, 64), (0, 2, 1, 3), (96, 125, 64))), (8, 125)),
 ])
-def test_bert_sized_kernels_compile_without_spills_or_hazards(mnk, spec):
-    """BERT-base's FFN1 and projections on their default tiles: ptxas keeps every accumulator in
-    registers (no spills) and no SASS instruction reads an accumulator a wgmma may still write."""
+def test_bert_sized_kernels_compile_without_spills_or_hazards(mnk, spec, lead):
+    """BERT-base's FFN1 and projections on their default tiles (and rows no tile divides):
+    ptxas keeps every accumulator in registers (no spills) and no SASS instruction reads an
+    accumulator a wgmma may still write."""
     if codegen.nvdisasm() is None:
         pytest.fail("nvdisasm is missing: pip install nvidia-cuda-nvdisasm (the test extra)")
-    source = codegen.cuda_source(wm.build(we.wgmma_elementwise(*mnk, spec, lead=(32, 128))))
+    source = codegen.cuda_source(wm.build(we.wgmma_elementwise(*mnk, spec, lead=lead)))
     assert codegen.ptxas_usage(source)["spill"] == 0
     sass = codegen.sass(codegen.compile_with_nvcc(source, "sm_90a"))
     assert "HGMMA" in sass and codegen.wgmma_hazards(sass) == []

@@ -102,31 +102,38 @@ def layout_offset(layout: tuple, row, col):
     return offset
 
 
+def _padded(m: int, bm: int) -> int:
+    """Rows of the CTAs' tiles over ``m`` rows: TMA reads the rows past M as zeros, and their
+    results are not stored (any M works)."""
+    return -(-m // bm) * bm
+
+
 def problems(m: int, n: int, k: int, spec: Elementwise, cfg: WgmmaConfig | None = None) -> list:
-    """What keeps the kernel from computing this group (empty if nothing)."""
+    """What keeps the kernel from computing this group (empty if nothing). Any M (the last row
+    tile may be partial); N and K multiples of the tile."""
     found = spec.problems()
     if spec.layout and (math.prod(spec.layout[0][:-2]) != m or math.prod(spec.layout[0][-2:]) != n):
         found.append(f"layout dims {spec.layout[0]} (the rows' dims, multiplying to M = {m}, then two multiplying to N = {n})")
     if cfg is None:
         cfg = default_config(m, n, k, spec.dtype)
         if cfg is None:
-            return found + [f"M, N, K = {m}, {n}, {k}: no tile of {sorted(TILES)} divides M and N with K a multiple of 32"]
+            return found + [f"M, N, K = {m}, {n}, {k}: no tile of {sorted(TILES)} divides N with K a multiple of 32"]
     if cfg.pingpong or cfg.resident:
         found.append("ping-pong groups or a resident B (the post-norm kernel's: a CTA loops over row blocks there, one tile a CTA here)")
-    return found + cfg.problems(m, n, k, spec.dtype)
+    return found + cfg.problems(_padded(m, cfg.bm), n, k, spec.dtype)
 
 
 def default_config(m: int, n: int, k: int, dtype: str = "float16") -> WgmmaConfig | None:
     """The tile of :data:`TILES` whose whole waves over the SMs take least time (its waves times
     its work over its throughput), on the deepest ring (up to 4 stages of 64) that fits; None
-    if no tile divides the problem."""
+    if no tile divides N (and K)."""
     best = None
     for (bm, bn), rate in TILES.items():
         for bk in (64, 32):
             for stages in (4, 3, 2):
                 cfg = WgmmaConfig(bm, bn, stages, bk)
-                if not cfg.problems(m, n, k, dtype):
-                    cost = math.ceil(m // bm * (n // bn) / SM_COUNT) * bm * bn / rate
+                if not cfg.problems(_padded(m, bm), n, k, dtype):
+                    cost = math.ceil(_padded(m, bm) // bm * (n // bn) / SM_COUNT) * bm * bn / rate
                     if best is None or cost < best[0]:
                         best = (cost, cfg)
                     break
@@ -140,7 +147,7 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
     """The fused kernel, a tirx PrimFunc for sm_90a with parameters ``(x[*lead, k], w[n, k],
     operand 0, ..., out)``, ``out`` of ``spec.out_shape(lead, n)``: ``lead`` are the row dimensions (``(m,)`` by default;
     ``(B, S)`` for 3-D activations, read as ``B * S`` rows through 2-D views of the same memory).
-    Static shapes, M and N multiples of the tile (:func:`problems`)."""
+    Static shapes, any M, N a multiple of the tile (:func:`problems`)."""
     found = problems(m, n, k, spec, cfg)
     if found:
         raise ComFuseError("wgmma GEMM + elementwise cannot take " + "; ".join(found))
@@ -149,6 +156,7 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
     if math.prod(lead) != m:
         raise ComFuseError(f"wgmma GEMM + elementwise: row dimensions {lead} do not multiply to M = {m}")
     bm, bn, acc_n = cfg.bm, cfg.bn, cfg.wg_cols // 2
+    ragged = m % bm != 0
     produce, consume = mainloop(cfg, k, spec.dtype)
     init = Ring(cfg.stages, cfg.consumers).init()
     producer, consumer = roles(cfg)
@@ -168,7 +176,7 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
     def body(x_map, w_map, P, out):
         if cfg.ctas_per_sm > 1:  # __launch_bounds__(threads, ctas_per_sm)
             T.attr({"tirx.launch_bounds_min_blocks_per_sm": cfg.ctas_per_sm})
-        bx, by = T.cta_id([m // bm, n // bn])
+        bx, by = T.cta_id([_padded(m, bm) // bm, n // bn])
         if cfg.producer_warps > 0:  # producer warps after the consumers: role 0 all the same, its threads 0, 1, ...
             warp = T.warp_id([cfg.threads // 32])
             lane = T.lane_id([32])
@@ -196,7 +204,11 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
                 for j in T.vectorized(2):
                     lrow, lcol = T.meta_var(fragment(tw, 2 * q + j))
                     row, col = T.meta_var((bx * bm + (wg - 1) // cfg.wg_n * 64 + lrow, by * bn + (wg - 1) % cfg.wg_n * cfg.wg_cols + lcol))
-                    out[at(row, col)] = value(P, acc[2 * q + j], row, col)
+                    if ragged:  # the last row tile's rows past M: computed on TMA's zeros, not stored
+                        if row < m:
+                            out[at(row, col)] = value(P, acc[2 * q + j], row, col)
+                    else:
+                        out[at(row, col)] = value(P, acc[2 * q + j], row, col)
 
     # the parameter list depends on the operands: the signature is generated, the body is the macro above
     signature = [("x", (*lead, k), spec.dtype, (m, k)), ("w", (n, k), spec.dtype, None)]
