@@ -73,8 +73,8 @@ class Attention:
             found.append(f"dtype {self.dtype} (wgmma here takes {sorted(_PTX_TYPE)})")
         if self.head_dim not in (64, 128):
             found.append(f"head dim {self.head_dim} (64 or 128: 64-column boxes, the second GEMM's N)")
-        if self.seq % 64 or not 64 <= self.seq <= MAX_SEQ or (self.seq > KEYS and self.seq % KEYS):
-            found.append(f"sequence {self.seq} (64, or a multiple of {KEYS} up to {MAX_SEQ}: blocks of {KEYS} keys)")
+        if not 1 <= self.seq <= MAX_SEQ:
+            found.append(f"sequence {self.seq} (1 to {MAX_SEQ})")
         if self.scale_op not in ("multiply", "divide"):
             found.append(f"scaling by {self.scale_op!r} (multiply or divide)")
         if self.score_dtype not in ("float16", "bfloat16", "float32") or self.out_dtype not in ("float16", "bfloat16", "float32"):
@@ -86,12 +86,12 @@ class Attention:
     @property
     def rows(self) -> int:
         """Query rows a CTA takes (64 per consumer warpgroup)."""
-        return 128 if self.seq % 128 == 0 else 64
+        return 64 if self.seq <= 64 else 128
 
     @property
     def keys(self) -> int:
-        """Keys a block of the online softmax takes."""
-        return min(self.seq, KEYS)
+        """Keys a block of the online softmax takes (the last block may be partial)."""
+        return 64 if self.seq <= 64 else KEYS
 
 
 def reference(spec: Attention, q, k, vt, mask=None):
@@ -123,13 +123,17 @@ def wgmma_attention(spec: Attention, q_shape=None, k_shape=None, vt_shape=None, 
     if found:
         raise ComFuseError("wgmma attention cannot take " + "; ".join(found))
     b, h, s, d, bm, kb = spec.batch, spec.heads, spec.seq, spec.head_dim, spec.rows, spec.keys
-    rows, cols, kt, chunks, blocks = b * s, h * d, d // 64, kb // 64, s // kb
+    rows, cols, kt, chunks, blocks = b * s, h * d, d // 64, kb // 64, -(-s // kb)
+    # a sequence no block divides: the last key block reads past the head's keys (the next
+    # batch row's, or TMA's zeros past the tensor) and masks them out; the last query tile's
+    # rows past S are computed and not stored
+    ragged_keys, ragged_rows = s % kb != 0, s % bm != 0
     per_block = kt + chunks  # ring steps a key block takes: q and the block's keys, then its v.T chunks
     for name, shape, size in (("q", q_shape, rows * cols), ("k", k_shape, rows * cols), ("vt", vt_shape, rows * cols),
                               ("out", out_shape, rows * cols), ("mask", mask_shape, spec.mask_batch * s)):
         if shape is not None and math.prod(shape) != size:
             raise ComFuseError(f"wgmma attention: {name} of shape {tuple(shape)} does not hold {size} elements of {spec}")
-    stages = min(per_block * blocks, SMEM_LIMIT // ((bm + kb) * 64 * 2))
+    stages = max(2, min(per_block * blocks, SMEM_LIMIT // ((bm + kb) * 64 * 2)))
     cfg = WgmmaConfig(bm=bm, bn=kb, stages=stages, bk=64, wg_n=1)
     _, consume = mainloop(cfg, d, spec.dtype)
     ring = Ring(stages, cfg.consumers)
@@ -150,7 +154,9 @@ def wgmma_attention(spec: Attention, q_shape=None, k_shape=None, vt_shape=None, 
         c = T.Cast(sd, T.float32(spec.scale)) if sd != "float32" else T.float32(spec.scale)
         v = v * c if spec.scale_op == "multiply" else v / c
         v = T.cast(v, "float32") if sd != "float32" else v
-        return v + T.cast(mask[(bh // h if spec.mask_batch > 1 else 0) * s + key], "float32") if spec.mask else v
+        at = T.min(key, s - 1) if ragged_keys else key  # (a key past S is masked out below: read a real one)
+        v = v + T.cast(mask[(bh // h if spec.mask_batch > 1 else 0) * s + at], "float32") if spec.mask else v
+        return T.if_then_else(key < s, v, T.float32(-math.inf)) if ragged_keys else v
 
     def across(v, lane_mask):  # the value of the lane lane_mask apart (a row's four values sit in a quad's lanes)
         return T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), v, lane_mask, 32, 32)
@@ -158,7 +164,7 @@ def wgmma_attention(spec: Attention, q_shape=None, k_shape=None, vt_shape=None, 
     # pylint: disable=invalid-name,unused-variable,too-many-locals
     @T.macro
     def body(q_map, k_map, vt_map, mask, out):
-        bh, qb = T.cta_id([b * h, s // bm])
+        bh, qb = T.cta_id([b * h, -(-s // bm)])
         wg = T.warpgroup_id([cfg.consumers + 1])
         tw = T.thread_id_in_wg([128])
         S = T.alloc_shared([stages, bm + kb, 64], spec.dtype, scope="shared.dyn", align=1024)
@@ -240,7 +246,11 @@ def wgmma_attention(spec: Attention, q_shape=None, k_shape=None, vt_shape=None, 
             for q2 in T.unroll(acc2_n // 2):
                 for v in T.vectorized(2):
                     row, col = T.meta_var(fragment(tw, 2 * q2 + v))
-                    out[row0 + (wg - 1) * 64 + row, bh % h * d + col] = T.cast(acc2[2 * q2 + v] / stat[q2 % 2, 1], spec.out_dtype)
+                    if ragged_rows:  # the last query tile's rows past S (the next batch row's, or nothing)
+                        if qb * bm + (wg - 1) * 64 + row < s:
+                            out[row0 + (wg - 1) * 64 + row, bh % h * d + col] = T.cast(acc2[2 * q2 + v] / stat[q2 % 2, 1], spec.out_dtype)
+                    else:
+                        out[row0 + (wg - 1) * 64 + row, bh % h * d + col] = T.cast(acc2[2 * q2 + v] / stat[q2 % 2, 1], spec.out_dtype)
 
     signature = [("q", q_shape or (rows, cols), spec.dtype, (rows, cols)), ("k", k_shape or (rows, cols), spec.dtype, (rows, cols)),
                  ("vt", vt_shape or (b * h * d, s), spec.dtype, (b * h * d, s))]
