@@ -98,12 +98,13 @@ def test_offloaded_bert_layer_runs_attention_and_projections_as_kernels():
 
 def test_attentions_the_kernel_cannot_take_are_left_alone(caplog):
     """Probabilities also returned (an intermediate another op reads) are not matched; heads of 96
-    (not a whole number of 64-column boxes) are matched but declined, and the log says why."""
+    (not a whole number of 64-column boxes) or 100 keys (v.T's rows not whole 16-byte units for
+    TMA) are matched but declined, and the log says why."""
     assert _plans(_attention(extra_output=True)) == []
-    odd = _attention(d=96)
-    with caplog.at_level("INFO", logger="tvm_comfuse"):
-        assert OffloadHopperAttention("llvm", build=_numpy_kernels([]))(odd).same_as(odd)
-    assert "head dim 96" in caplog.text
+    for odd, why in ((_attention(d=96), "head dim 96"), (_attention(s=100), "sequence 100")):
+        with caplog.at_level("INFO", logger="tvm_comfuse"):
+            assert OffloadHopperAttention("llvm", build=_numpy_kernels([]))(odd).same_as(odd)
+        assert why in caplog.text
 
 
 def test_padding_masks_are_added_in_the_kernel():
@@ -149,12 +150,12 @@ def test_an_exported_bert_with_a_padding_mask_is_matched():
 
 
 def test_any_sequence_length_is_taken():
-    """100 keys with a padding mask (no block divides them: the kernel masks the last block's
+    """104 keys with a padding mask (no block divides them: the kernel masks the last block's
     keys past S and does not store the last tile's rows past S): one kernel call, the graph's
     values with the NumPy model in its place."""
-    mod = _attention(b=2, s=100, mask=True)
+    mod = _attention(b=2, s=104, mask=True)
     arrays = _random(mod["main"].params)
-    arrays[3] = np.where(np.arange(100) >= 90, -10000.0, 0.0).astype("float32")[None, None, None].repeat(2, 0)
+    arrays[3] = np.where(np.arange(104) >= 90, -10000.0, 0.0).astype("float32")[None, None, None].repeat(2, 0)
     calls = []
     offloaded = OffloadHopperAttention("llvm", build=_numpy_kernels(calls))(mod)
     (got,), (want,) = _run_llvm(offloaded, arrays), _run_llvm(mod, arrays)
@@ -189,7 +190,7 @@ def test_the_kernels_model_is_attention():
                                   wa.Attention(2, 4, 128, 128, "bfloat16", "bfloat16", 8.0, "divide"),
                                   wa.Attention(2, 16, 1024), wa.Attention(2, 4, 512, 128),
                                   wa.Attention(32, 12, 128, mask="keys", mask_batch=32),
-                                  wa.Attention(4, 2, 100, mask="keys", mask_batch=4), wa.Attention(2, 4, 200, 128), wa.Attention(2, 2, 32)])
+                                  wa.Attention(4, 2, 104, mask="keys", mask_batch=4), wa.Attention(2, 4, 200, 128), wa.Attention(2, 2, 32)])
 def test_attention_kernel_compiles_without_spills_or_hazards(spec):
     """BERT-base's attention (and a 64-key, a bf16 128-wide-head one, 512 and 1024 keys in
     blocks, a padding mask, sequences no block divides): ptxas keeps the scores, probabilities and outputs in registers, and no SASS

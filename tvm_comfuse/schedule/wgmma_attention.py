@@ -73,8 +73,8 @@ class Attention:
             found.append(f"dtype {self.dtype} (wgmma here takes {sorted(_PTX_TYPE)})")
         if self.head_dim not in (64, 128):
             found.append(f"head dim {self.head_dim} (64 or 128: 64-column boxes, the second GEMM's N)")
-        if not 1 <= self.seq <= MAX_SEQ:
-            found.append(f"sequence {self.seq} (1 to {MAX_SEQ})")
+        if not 8 <= self.seq <= MAX_SEQ or self.seq % 8:
+            found.append(f"sequence {self.seq} (a multiple of 8 up to {MAX_SEQ}: v.T's rows are TMA rows, whole 16-byte units)")
         if self.scale_op not in ("multiply", "divide"):
             found.append(f"scaling by {self.scale_op!r} (multiply or divide)")
         if self.score_dtype not in ("float16", "bfloat16", "float32") or self.out_dtype not in ("float16", "bfloat16", "float32"):
