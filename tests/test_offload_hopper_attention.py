@@ -237,3 +237,22 @@ def test_a_bert_layer_on_every_hopper_kernel_launches_eight_kernels():
     assert any("softmax" in k for k in launched[None]) and any("transpose" in k for k in launched[None])
     everything = launched[pipeline.HOPPER_GROUPS]
     assert len(everything) == 8 and all(k.startswith("comfuse_wgmma_") for k in everything[1:]), everything
+
+
+def test_layouts_compare_where_elements_come_from():
+    """``Layout``: a chain of reshapes keeps the memory order, a head split with its transpose
+    does not, two spellings of the same arrangement agree; issue 5's longest attention (B x H
+    256, 1024 keys: 268 M probabilities) is matched from its shapes alone, without an index array
+    of that size."""
+    import time  # pylint: disable=import-outside-toplevel
+
+    from tvm_comfuse.transform.offload_hopper_attention import Layout  # pylint: disable=import-outside-toplevel
+
+    split = Layout([2, 8, 12]).reshape([2, 8, 3, 4]).transpose([0, 2, 1, 3]).reshape([6, 8, 4])
+    assert Layout([2, 8, 12]).reshape([16, 12]).same_as(Layout([192]), shape=False)
+    assert not split.same_as(Layout([6, 8, 4]))
+    twice = Layout([2, 8, 12]).reshape([2, 8, 3, 4]).transpose([0, 2, 3, 1]).transpose([0, 1, 3, 2]).reshape([6, 8, 4])
+    assert twice.same_as(split)
+    start = time.perf_counter()
+    (spec, *_), = _plans(wl.attention(32, 8, 1024))
+    assert spec.seq == 1024 and time.perf_counter() - start < 30

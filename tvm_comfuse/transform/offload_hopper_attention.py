@@ -11,7 +11,7 @@ becomes one call of :func:`~tvm_comfuse.schedule.wgmma_attention.wgmma_attention
 ``k`` cast to the kernel's dtype and ``v`` transposed to ``[B * H * D, S]``, written as Relax
 ops in the kernel's place: OffloadHopperElementwise then folds those casts and that transpose
 into the projections that produce ``q``, ``k`` and ``v``, so no head split or merge runs as a
-kernel of its own. The layout ops are checked by running them on an index array (NumPy): any
+kernel of its own. The layout ops are checked by where they take elements (:class:`Layout`): any
 sequence of reshapes, transposes and no-op broadcasts that arranges the elements as attention
 needs is accepted, nothing that does not.
 
@@ -48,26 +48,70 @@ def _back(var, var2val):
     return var, calls[::-1]
 
 
-def _arrange(shape, calls):
-    """Run ``calls`` (reshapes, transposes, broadcasts to the same shape, casts) on an index
-    array of ``shape``: ``(indices, cast dtypes)``, or None where one is not a pure layout op."""
-    a, casts = np.arange(math.prod(shape)).reshape(shape), []
-    for call in calls:
-        shape_out, dtype = _sinfo(call)
-        if shape_out is None:
-            return None
-        name = ops.op_name(call)
-        if name == ops.RESHAPE and math.prod(shape_out) == a.size:
-            a = a.reshape(shape_out)
-        elif name == ops.TRANSPOSE:
-            a = a.transpose([int(x) for x in call.attrs.axes] if call.attrs.axes is not None else None)
-        elif name == ops.BROADCAST and list(a.shape) == shape_out:
-            pass
-        elif name == "relax.astype":
-            casts.append(dtype)
-        else:
-            return None
-    return a, casts
+class Layout:
+    """Where a chain of layout ops takes each element from: the source's flat index of each
+    flat index of the result (reshapes keep flat indices, a transpose permutes coordinates).
+    Two chains arrange a tensor alike when they agree on every index; :meth:`same_as` compares
+    them on 20,000 indices (the first, the last and random ones): chains of reshapes and
+    transposes that differ anywhere differ on most elements, and a whole index array of a
+    long attention's probabilities (B * H * S * S) would take gigabytes."""
+
+    def __init__(self, shape):
+        self.shape, self.steps, self.casts = list(shape), [], []
+
+    def reshape(self, shape) -> Layout:
+        if math.prod(shape) != math.prod(self.shape):
+            raise ValueError(f"reshape of {self.shape} to {shape}")
+        self.shape = list(shape)
+        return self
+
+    def transpose(self, axes) -> Layout:
+        axes = list(axes) if axes is not None else list(reversed(range(len(self.shape))))
+        self.steps.append((list(self.shape), axes))
+        self.shape = [self.shape[a] for a in axes]
+        return self
+
+    @classmethod
+    def of(cls, shape, calls) -> Layout | None:
+        """The layout of ``calls`` (reshapes, transposes, broadcasts to the same shape, casts) on a
+        tensor of ``shape``, its casts' dtypes in ``casts``; None where one is not a layout op."""
+        layout = cls(shape)
+        for call in calls:
+            shape_out, dtype = _sinfo(call)
+            name = ops.op_name(call)
+            if shape_out is None:
+                return None
+            if name == ops.RESHAPE and math.prod(shape_out) == math.prod(layout.shape):
+                layout.reshape(shape_out)
+            elif name == ops.TRANSPOSE:
+                layout.transpose([int(x) for x in call.attrs.axes] if call.attrs.axes is not None else None)
+            elif name == ops.BROADCAST and layout.shape == shape_out:
+                pass
+            elif name == "relax.astype":
+                layout.casts.append(dtype)
+            else:
+                return None
+        return layout
+
+    def source(self, flat):
+        """The source's flat indices of the result's flat indices ``flat``."""
+        for shape_in, axes in reversed(self.steps):
+            coords = np.unravel_index(flat, [shape_in[a] for a in axes])
+            src = [None] * len(axes)
+            for i, a in enumerate(axes):
+                src[a] = coords[i]
+            flat = np.ravel_multi_index(src, shape_in)
+        return flat
+
+    def same_as(self, other: Layout, shape: bool = True) -> bool:
+        """Whether both arrange the same source alike (and, with ``shape``, in the same shape)."""
+        size = math.prod(self.shape)
+        if size != math.prod(other.shape) or (shape and self.shape != other.shape):
+            return False
+        rng = np.random.default_rng(0)
+        flat = np.unique(np.concatenate([np.arange(min(size, 4096)), np.arange(max(0, size - 4096), size),
+                                         rng.integers(0, size, 12000)]))
+        return bool(np.array_equal(self.source(flat), other.source(flat)))
 
 
 def _scalar(expr, var2val):
@@ -131,21 +175,21 @@ def match_attention(mm2, var2val, users):
     b = bh // h
     if b * h != bh or math.prod(src_shape) != b * s * h * d or any(_sinfo(v)[0] != src_shape for v in (k_src, v_src)):
         return None
-    heads = np.arange(b * s * h * d).reshape(b, s, h, d).transpose(0, 2, 1, 3).reshape(bh, s, d)
-    want = {"q": heads, "k": heads.transpose(0, 2, 1), "v": heads}
+    heads = Layout([b, s, h * d]).reshape([b, s, h, d]).transpose([0, 2, 1, 3]).reshape([bh, s, d])
+    want = {"q": heads, "k": Layout([b, s, h * d]).reshape([b, s, h, d]).transpose([0, 2, 1, 3]).reshape([bh, s, d]).transpose([0, 2, 1]),
+            "v": heads}
     dtypes = set()
-    for name, calls in (("q", q_calls), ("k", k_calls), ("v", v_calls)):
-        got = _arrange(src_shape, calls)
-        if got is None or len(got[1]) > 1 or got[0].shape != want[name].shape or not np.array_equal(got[0], want[name]):
+    for name, calls, src in (("q", q_calls, q_src), ("k", k_calls, k_src), ("v", v_calls, v_src)):
+        got = Layout.of(src_shape, calls)
+        if got is None or len(got.casts) > 1 or not got.same_as(want[name]):
             return None
-        dtypes.add(got[1][0] if got[1] else _sinfo(q_src if name == "q" else k_src if name == "k" else v_src)[1])
-    p_got = _arrange(_sinfo(p_src)[0], p_calls)
-    if len(dtypes) != 1 or p_got is None or p_got[1] != list(dtypes) or not np.array_equal(p_got[0].reshape(-1), np.arange(bh * s * s)):
+        dtypes.add(got.casts[0] if got.casts else _sinfo(src)[1])
+    p_got = Layout.of(_sinfo(p_src)[0], p_calls)  # the probabilities and the scores: memory order kept
+    if len(dtypes) != 1 or p_got is None or p_got.casts != list(dtypes) or not p_got.same_as(Layout(p_got.shape)):
         return None
-    scores = _arrange([bh, s, s], [c for c in chain[::-1] if ops.op_name(c) in _LAYOUT[:3]])
-    if scores is None or not np.array_equal(scores[0].reshape(-1), np.arange(bh * s * s)):
+    scores = Layout.of([bh, s, s], [c for c in chain[::-1] if ops.op_name(c) in _LAYOUT[:3]])
+    if scores is None or not scores.same_as(Layout([bh, s, s]), shape=False):
         return None
-    # forward from the second matmul: the merged heads, [B * S, H * D] in memory order
     mask_batch = 1
     if mask is not None:  # one value per batch row (or for all) and key: [B or 1, 1, 1, S], right-aligned
         shape = _sinfo(mask)[0]
@@ -153,7 +197,8 @@ def match_attention(mm2, var2val, users):
         if len(padded) != 4 or padded[1:] != [1, 1, s] or padded[0] not in (1, b):
             return None
         mask_batch = padded[0]
-    merged = np.arange(bh * s * d).reshape(b, h, s, d).transpose(0, 2, 1, 3).reshape(-1)
+    # forward from the second matmul: the merged heads, [B * S, H * D] in memory order
+    merged = Layout([bh, s, d]).reshape([b, h, s, d]).transpose([0, 2, 1, 3])
     cur, tail, final, out_calls = mm2, [], None, []
     while len(users.get(cur, [])) == 1 and isinstance(users[cur][0], relax.DataflowVar):
         nxt = users[cur][0]
@@ -161,10 +206,10 @@ def match_attention(mm2, var2val, users):
             break
         out_calls.append(var2val[nxt])
         tail.append(nxt)
-        got = _arrange([bh, s, d], out_calls)
-        if got is None or len(got[1]) > 1:
+        got = Layout.of([bh, s, d], out_calls)
+        if got is None or len(got.casts) > 1:
             break
-        if np.array_equal(got[0].reshape(-1), merged):
+        if got.same_as(merged, shape=False):  # [B * S, H * D], [B, S, H * D], ...: the memory order is what counts
             final = (nxt, len(tail))
         cur = nxt
     if final is None:
