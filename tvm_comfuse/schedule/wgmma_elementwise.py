@@ -9,11 +9,12 @@ reached 0.77-0.88x as a plain GEMM (session 8). This kernel is that plain GEMM w
 group's chain applied to each accumulator before its one store: the GEMM's result never
 leaves the registers unfinished, as the rule's epilogue does for the same groups.
 
-The chain is the post-norm kernel's (:class:`~.wgmma_postnorm.Step`: casts and adds of a
-``[N]`` vector or an ``[M, N]`` tile, each rounded to the dtype the graph computes it in), plus
-activations, evaluated in fp32 as TVM legalises them. Tiles are whole CTAs of ``bm / 64``
-consumer warpgroups (``wg_n = 1``, as the plain GEMM measured fastest); :func:`default_config`
-picks the tile that fills the SMs' waves best.
+The chain is the post-norm kernel's (:mod:`.chain`: casts and adds of a ``[N]`` vector or an
+``[M, N]`` tile, each rounded to the dtype the graph computes it in), plus activations,
+evaluated in fp32 as TVM legalises them. Tiles are whole CTAs of ``bm / 64`` consumer
+warpgroups (``wg_n = 1``, as the plain GEMM measured fastest); :func:`default_config` picks the
+tile that fills the SMs' waves best. Written in session 14 without a GPU (checked on CPU: nvcc
+for sm_90a, no spills, no accumulator hazards): opt-in until it has run on one.
 """
 
 from __future__ import annotations
