@@ -99,14 +99,16 @@ def _np_activation(v, name: str):
 
 def np_chain(v, steps, operands):
     """NumPy model of :func:`chain_value` on the fp32 array ``v`` (``[M, N]``); ``operands``
-    are fp32 arrays, ``[N]`` or reshapeable to ``[M, N]``."""
+    are fp32 arrays, ``[N]`` or reshapeable to ``[M, N]``. Non-finite values propagate as the
+    kernel's IEEE arithmetic makes them (silently: the fuzzer feeds NaN and Inf on purpose)."""
     import numpy as np  # pylint: disable=import-outside-toplevel
 
-    for step in steps:
-        if step.op == "add":
-            p = operands[step.operand]
-            v = v + (p.reshape(-1, v.shape[1]) if p.ndim > 1 else p)
-        elif step.op in ACTIVATIONS:
-            v = _np_activation(v.astype(np.float32), step.op)
-        v = v.astype(np_dtype(step.dtype)).astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        for step in steps:
+            if step.op == "add":
+                p = operands[step.operand]
+                v = v + (p.reshape(-1, v.shape[1]) if p.ndim > 1 else p)
+            elif step.op in ACTIVATIONS:
+                v = _np_activation(v.astype(np.float32), step.op)
+            v = v.astype(np_dtype(step.dtype)).astype(np.float32)
     return v
