@@ -265,6 +265,23 @@ def taken_groups(mod: tvm.IRModule):
     return groups_taken(mod, "gemm_reduce", match_postnorm, wp.problems)
 
 
+class Kernels:
+    """The kernels one pass builds, one per distinct key (a model's layers share theirs): their
+    symbols, and the compiled modules to link."""
+
+    def __init__(self, build, prefix: str):
+        self.build, self.prefix, self.symbols, self.modules = build, prefix, {}, []
+
+    def symbol(self, key, name: str, make, spec, mnk) -> str:
+        """The symbol of the kernel ``key`` stands for; built (``make()``'s PrimFunc) the first time."""
+        if key not in self.symbols:
+            self.symbols[key] = (f"{self.prefix}_{len(self.symbols)}" + (f"_{name}" if name else ""))[:120]
+            module = self.build(make(), self.symbols[key], spec, mnk)
+            if module is not None:
+                self.modules.append(module)
+        return self.symbols[key]
+
+
 class HopperOffload:  # pylint: disable=too-few-public-methods
     """What the Hopper offload passes share: their target and how they build a kernel."""
 
@@ -342,26 +359,22 @@ class OffloadHopperPostNorm(HopperOffload):  # pylint: disable=too-few-public-me
         build = self.builder()
         if build is None:
             return mod
-        offloads, built, symbols, tuned = {}, [], {}, 0
+        offloads, kernels, tuned = {}, Kernels(build, "comfuse_wgmma"), 0
         for gv, func, found in taken_groups(mod):
             spec, roles, mnk, out_shape, order = found
             cfg = self._config(func, found)
             tuned += cfg is not None
-            key = (spec, mnk, tuple(out_shape), cfg)
-            if key not in symbols:
-                symbols[key] = f"comfuse_wgmma_{len(symbols)}_{gv.name_hint}"[:120]
-                module = build(wp.wgmma_postnorm(*mnk, spec, cfg, lead=out_shape[:-1]), symbols[key], spec, mnk)
-                if module is not None:
-                    built.append(module)
-            offloads[gv.name_hint] = (symbols[key], roles, out_shape, spec.out_dtype, order)
+            symbol = kernels.symbol((spec, mnk, tuple(out_shape), cfg), gv.name_hint,
+                                    lambda: wp.wgmma_postnorm(*mnk, spec, cfg, lead=out_shape[:-1]), spec, mnk)  # noqa: B023
+            offloads[gv.name_hint] = (symbol, roles, out_shape, spec.out_dtype, order)
         if not offloads:
             return mod
-        LOG.info("ComFuse: %d post-norm group(s) run as %d wgmma kernel(s)", len(offloads), len(symbols))
+        LOG.info("ComFuse: %d post-norm group(s) run as %d wgmma kernel(s)", len(offloads), len(kernels.symbols))
         if self.database is not None:
             (LOG.warning if tuned < len(offloads) else LOG.info)(
                 "ComFuse: %d of %d wgmma post-norm groups use tuned configurations, %d the untuned defaults",
                 tuned, len(offloads), len(offloads) - tuned)
-        return replace_calls(mod, offloads, built)
+        return replace_calls(mod, offloads, kernels.modules)
 
 
 def replace_calls(mod: tvm.IRModule, offloads: dict, built: list) -> tvm.IRModule:

@@ -33,7 +33,7 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ..graph import ops
-from .offload_hopper import HopperOffload, _sinfo, dataflow_blocks, link, users_of
+from .offload_hopper import HopperOffload, Kernels, _sinfo, dataflow_blocks, link, users_of
 
 LOG = logging.getLogger("tvm_comfuse")
 _LAYOUT = (ops.RESHAPE, ops.TRANSPOSE, ops.BROADCAST, "relax.astype")
@@ -289,26 +289,23 @@ class OffloadHopperAttention(HopperOffload):  # pylint: disable=too-few-public-m
         build = self.builder()
         if build is None:
             return mod
-        plans, symbols, built = {}, {}, []
+        plans, kernels = {}, Kernels(build, "comfuse_wgmma_attention")
         for spec, sources, final, skipped in _plans(mod):
             why = spec.problems()
             if why:
                 LOG.info("ComFuse: an attention stays with vanilla fusion, the wgmma kernel cannot take %s", "; ".join(why))
                 continue
-            key = (spec, tuple(tuple(_sinfo(v)[0]) for v in sources), tuple(_sinfo(final)[0]))
-            if key not in symbols:
-                symbols[key] = f"comfuse_wgmma_attention_{len(symbols)}"
-                b, h, s, d = spec.batch, spec.heads, spec.seq, spec.head_dim
-                module = build(wgmma_attention(spec, key[1][0], key[1][1], (b * h * d, s), key[2], key[1][3] if spec.mask else None),
-                               symbols[key], spec, None)
-                if module is not None:
-                    built.append(module)
-            plans[final] = (symbols[key], spec, sources, skipped)
+            shapes = [tuple(_sinfo(v)[0]) for v in sources]
+            out_shape = tuple(_sinfo(final)[0])
+            vt_shape = (spec.batch * spec.heads * spec.head_dim, spec.seq)
+            symbol = kernels.symbol((spec, tuple(shapes), out_shape), "", lambda: wgmma_attention(  # noqa: B023
+                spec, shapes[0], shapes[1], vt_shape, out_shape, shapes[3] if spec.mask else None), spec, None)
+            plans[final] = (symbol, spec, sources, skipped)
         if not plans:
             return mod
         rewriter = _AttentionRewriter(mod, plans)
         for gv, func in mod.functions_items():
             if isinstance(func, relax.Function):
                 rewriter.builder_.update_func(gv, rewriter.visit_expr(func))
-        LOG.info("ComFuse: %d attention(s) run as %d wgmma kernel(s)", len(plans), len(symbols))
-        return link(rewriter.builder_.get(), built)
+        LOG.info("ComFuse: %d attention(s) run as %d wgmma kernel(s)", len(plans), len(kernels.symbols))
+        return link(rewriter.builder_.get(), kernels.modules)

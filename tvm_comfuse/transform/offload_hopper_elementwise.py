@@ -31,7 +31,7 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ..graph import ops
-from .offload_hopper import GroupBody, HopperOffload, _sinfo, dataflow_blocks, groups_taken, replace_calls, users_of
+from .offload_hopper import GroupBody, HopperOffload, Kernels, _sinfo, dataflow_blocks, groups_taken, replace_calls, users_of
 
 LOG = logging.getLogger("tvm_comfuse")
 
@@ -200,25 +200,21 @@ class OffloadHopperElementwise(HopperOffload):  # pylint: disable=too-few-public
         build = self.builder()
         if build is None:
             return mod
-        offloads, built, symbols, plans, tuned = {}, [], {}, {}, 0
+        offloads, kernels, plans, tuned = {}, Kernels(build, "comfuse_wgmma_ew"), {}, 0
         for gv, func, spec, roles, mnk, out_shape, tail in planned_groups(mod):
             cfg = self._config(func, spec, roles, mnk, out_shape)
             tuned += cfg is not None
-            key = (spec, mnk, tuple(out_shape), cfg)
-            if key not in symbols:
-                symbols[key] = f"comfuse_wgmma_ew_{len(symbols)}_{gv.name_hint}"[:120]
-                module = build(we.wgmma_elementwise(*mnk, spec, cfg, lead=out_shape[:-1]), symbols[key], spec, mnk)
-                if module is not None:
-                    built.append(module)
-            offloads[gv.name_hint] = (symbols[key], roles, out_shape, spec.out_dtype, ("out",))
+            symbol = kernels.symbol((spec, mnk, tuple(out_shape), cfg), gv.name_hint,
+                                    lambda: we.wgmma_elementwise(*mnk, spec, cfg, lead=out_shape[:-1]), spec, mnk)  # noqa: B023
+            offloads[gv.name_hint] = (symbol, roles, out_shape, spec.out_dtype, ("out",))
             if tail is not None:
-                plans[gv.name_hint] = (symbols[key], roles, list(_sinfo(tail[-1])[0]), spec.out_dtype, tail)
+                plans[gv.name_hint] = (symbol, roles, list(_sinfo(tail[-1])[0]), spec.out_dtype, tail)
         if not offloads:
             return mod
         LOG.info("ComFuse: %d GEMM + elementwise group(s) run as %d wgmma kernel(s), %d writing the layout of the "
-                 "reshapes, transposes and casts after them", len(offloads), len(symbols), len(plans))
+                 "reshapes, transposes and casts after them", len(offloads), len(kernels.symbols), len(plans))
         if self.database is not None:
             (LOG.warning if tuned < len(offloads) else LOG.info)(
                 "ComFuse: %d of %d wgmma GEMM + elementwise groups use tuned configurations, %d the untuned defaults",
                 tuned, len(offloads), len(offloads) - tuned)
-        return replace_calls(_rewrite_tails(mod, plans) if plans else mod, offloads, built)
+        return replace_calls(_rewrite_tails(mod, plans) if plans else mod, offloads, kernels.modules)
