@@ -23,6 +23,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from ..errors import ComFuseError
+from .chain import activation
 from .wgmma_mainloop import (_PTX_TYPE, SMEM_LIMIT, TMA_LOAD, Ring, WgmmaConfig, box_rows, fragment, mainloop, roles,
                              tensor_map)
 
@@ -30,13 +31,7 @@ ACTIVATIONS = ("identity", "relu", "gelu", "silu")
 
 
 def _activate(v, act: str):
-    if act == "relu":
-        return T.max(v, T.float32(0))
-    if act == "silu":
-        return v / (T.float32(1) + T.exp(-v))
-    if act == "gelu":
-        return T.float32(0.5) * v * (T.float32(1) + T.erf(v * T.float32(0.7071067811865476)))
-    return v
+    return v if act == "identity" else activation(v, act)
 
 
 def b2b_config(n1: int, n2: int, bm: int = 128) -> tuple:

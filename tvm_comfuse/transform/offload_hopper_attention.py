@@ -40,12 +40,14 @@ _LAYOUT = (ops.RESHAPE, ops.TRANSPOSE, ops.BROADCAST, "relax.astype")
 
 
 def _back(var, var2val):
-    """``(source, layout calls from the source on)``: ``var`` walked back through layout ops."""
-    calls = []
+    """``(source, layout calls from the source on, the vars they bind)``: ``var`` walked back
+    through layout ops."""
+    calls, bound = [], []
     while isinstance(var2val.get(var), relax.Call) and ops.op_name(var2val[var]) in _LAYOUT:
         calls.append(var2val[var])
+        bound.append(var)
         var = var2val[var].args[0]
-    return var, calls[::-1]
+    return var, calls[::-1], bound
 
 
 class Layout:
@@ -136,8 +138,8 @@ def match_attention(mm2, var2val, users):
     call = var2val[mm2]
     if ops.op_name(call) != ops.GEMM:
         return None
-    p_src, p_calls = _back(call.args[0], var2val)
-    v_src, v_calls = _back(call.args[1], var2val)
+    p_src, p_calls, p_vars = _back(call.args[0], var2val)
+    v_src, v_calls, v_vars = _back(call.args[1], var2val)
     soft = var2val.get(p_src)
     if not isinstance(soft, relax.Call) or ops.op_name(soft) != "relax.nn.softmax" or not ops.reduces_last_axis(soft):
         return None
@@ -163,8 +165,8 @@ def match_attention(mm2, var2val, users):
     if _sinfo(scaling[0])[1] != _sinfo(mm1)[1]:
         return None  # scaled in another dtype than the scores: not what the kernel rounds
     scale = _scalar(scaling[0].args[1], var2val)
-    q_src, q_calls = _back(mm1.args[0], var2val)
-    k_src, k_calls = _back(mm1.args[1], var2val)
+    q_src, q_calls, q_vars = _back(mm1.args[0], var2val)
+    k_src, k_calls, k_vars = _back(mm1.args[1], var2val)
     qh_shape, src_shape = _sinfo(mm1.args[0])[0], _sinfo(q_src)[0]
     if scale is None or qh_shape is None or len(qh_shape) != 3 or src_shape is None:
         return None
@@ -217,20 +219,11 @@ def match_attention(mm2, var2val, users):
     final_var, used = final
     spec = Attention(b, h, s, d, dtypes.pop(), _sinfo(mm1)[1], scale, ops.op_name(scaling[0])[len("relax."):], _sinfo(final_var)[1],
                      "keys" if mask is not None else "", mask_batch, _sinfo(mask)[1] if mask is not None else "float32")
-    skipped = [*_chain_vars(call.args[0], var2val), *_chain_vars(call.args[1], var2val), *_chain_vars(mm1.args[0], var2val),
-               *_chain_vars(mm1.args[1], var2val), mm2, *tail[:used]]
+    skipped = [*p_vars, *v_vars, *q_vars, *k_vars, mm2, *tail[:used]]
     skipped += [v for v, val in var2val.items() if any(val.same_as(c) for c in (soft, mm1, *chain, *([mask_add] if mask_add is not None else [])))]
     if any(u not in skipped for v in skipped if v is not final_var for u in users.get(v, [])):
         return None  # an intermediate value something else reads: keep the graph as it is
     return spec, (q_src, k_src, v_src, *([mask] if mask is not None else [])), final_var, skipped
-
-
-def _chain_vars(var, var2val):
-    found = []
-    while isinstance(var2val.get(var), relax.Call) and ops.op_name(var2val[var]) in _LAYOUT:
-        found.append(var)
-        var = var2val[var].args[0]
-    return found
 
 
 @mutator
