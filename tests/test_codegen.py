@@ -316,7 +316,7 @@ def test_wgmma_mainloop_compiles_to_wgmma_for_sm90a(dtype, cfg):
 
 
 @pytest.mark.parametrize("kernel", ["gemm", "gemm_one_step", "postnorm_768", "postnorm_768_bk32", "postnorm_512_cluster",
-                                    "postnorm_1024", "rms_norm", "b2b", "b2b_bm64", "postnorm_resident",
+                                    "postnorm_1024", "rms_norm", "b2b", "b2b_bm64", "b2b_persistent", "postnorm_resident",
                                     "postnorm_two_rounds", "postnorm_2ctas", "postnorm_pingpong"])
 def test_wgmma_kernels_read_accumulators_only_after_the_last_wait(kernel):
     """No SASS instruction touches a wgmma accumulator while a wgmma group may still write it.
@@ -335,8 +335,9 @@ def test_wgmma_kernels_read_accumulators_only_after_the_last_wait(kernel):
         "postnorm_512_cluster": lambda: wp.wgmma_postnorm(4096, 512, 768, ln, wm.WgmmaConfig(64, 256, 4, 64, 1)),
         "postnorm_1024": lambda: wp.wgmma_postnorm(4096, 1024, 4096, ln),
         "rms_norm": lambda: wp.wgmma_postnorm(256, 256, 128, wp.PostNorm.suite("float16", "rms_norm")),
-        "b2b": lambda: wb.wgmma_b2b(1024, 256, 1024, 1024, "float16", "gelu"),
-        "b2b_bm64": lambda: wb.wgmma_b2b(1024, 64, 1024, 1024, "float16", "gelu", 64),
+        "b2b": lambda: wb.wgmma_b2b(1024, 256, 1024, 1024, wb.B2B.mlp()),
+        "b2b_bm64": lambda: wb.wgmma_b2b(1000, 64, 1024, 1024, wb.B2B.mlp(residual=True), wb.B2BConfig(64, 4, 64, 128, 2)),
+        "b2b_persistent": lambda: wb.wgmma_b2b(65536, 128, 1024, 1024, wb.B2B.mlp(act="silu")),
         "postnorm_resident": lambda: wp.wgmma_postnorm(16384, 1024, 256, ln, wm.WgmmaConfig(64, 256, 3, 64, 2, 1, True)),
         "postnorm_two_rounds": lambda: wp.wgmma_postnorm(4096, 768, 768, ln, one_round=False, params=False),
         "postnorm_2ctas": lambda: wp.wgmma_postnorm(4096, 1024, 256, ln, wm.WgmmaConfig(64, 256, 3, 32, 2, ctas_per_sm=2, producer_warps=1)),
@@ -602,15 +603,21 @@ def test_wgmma_postnorm_refuses_rows_it_cannot_hold():
 def test_wgmma_b2b_keeps_the_intermediate_in_registers():
     """Back-to-back GEMM on Hopper (issue 5): the first GEMM's activated accumulators become the
     second GEMM's register A operand (wgmma's register-A form, fed by cvt.f16x2 packs), so the
-    intermediate is never stored, not even to shared memory; ptxas accepts it for sm_90a."""
+    intermediate is never stored; the output leaves by TMA stores from shared memory (no global
+    store instruction at all), and ptxas accepts it for sm_90a."""
     from tvm_comfuse.schedule import wgmma_b2b as wb, wgmma_mainloop as wm  # pylint: disable=import-outside-toplevel
 
-    source = codegen.cuda_source(wm.build(wb.wgmma_b2b(128, 128, 256, 192, "float16", "gelu")))
+    source = codegen.cuda_source(wm.build(wb.wgmma_b2b(128, 128, 256, 192, wb.B2B.mlp())))
     ptx = codegen.compile_with_nvcc(source, "sm_90a", fmt="ptx").decode()
     body = ptx[ptx.index(".entry"):]
     assert re.search(r"wgmma\.mma_async\S*m64n128k16\S*\s+\{[^}]*\},\s+%rd", body)  # GEMM 1: A from shared memory
     assert re.search(r"wgmma\.mma_async\S*m64n128k16\S*\s+\{[^}]*\},\s+\{%r", body)  # GEMM 2: A from registers
-    assert "cvt.rn.f16x2.f32" in body and "st.shared" not in body
+    assert "cvt.rn.f16x2.f32" in body and "st.global" not in body
+    assert "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group" in body
     assert codegen.compile_with_nvcc(source, "sm_90a")[:4] == b"\x7fELF"
     with pytest.raises(cf.ComFuseError, match="N1 = 320"):
         wb.wgmma_b2b(128, 320, 256, 192)
+    with pytest.raises(cf.ComFuseError, match="bn2 = 64 for N2 = 96"):
+        wb.wgmma_b2b(128, 128, 96, 192)
+    with pytest.raises(cf.ComFuseError, match="intermediate in float32"):
+        wb.wgmma_b2b(128, 128, 256, 192, wb.B2B(first=wb.Elementwise("float16", (), (), "float32")))

@@ -453,21 +453,33 @@ def test_gpu_tune_the_wgmma_kernel_then_compile_from_its_logs(tmp_path):
     assert (out.cpu().double() - torch.from_numpy(ref)).abs().max().item() <= TOL["float16"]
 
 
-@pytest.mark.parametrize("M, N1, N2, K, act, bm", [(256, 64, 384, 128, "relu", 128), (4096, 256, 1024, 1024, "gelu", 128),
-                                                   (128, 128, 256, 192, "silu", 64), (192, 192, 96, 64, "gelu", 64)])
-def test_gpu_wgmma_b2b_matches_torch(M, N1, N2, K, act, bm):
-    """The Hopper back-to-back GEMM (intermediate in registers) against PyTorch in fp32."""
+@pytest.mark.parametrize("M, N1, N2, K, act, dtype, residual, cfg", [
+    (256, 64, 384, 128, "relu", "float16", False, None), (4096, 256, 1024, 1024, "gelu", "float16", False, None),
+    (1000, 128, 256, 192, "silu", "float16", True, None), (192, 192, 192, 64, "gelu", "bfloat16", False, None),
+    (65536, 64, 1024, 1024, "gelu", "float16", True, None), (16390, 128, 1024, 1024, None, "bfloat16", False, None),
+    (300, 64, 128, 256, "gelu", "float16", True, (64, 4, 64, 64, 3, True)),
+])
+def test_gpu_wgmma_b2b_matches_torch(M, N1, N2, K, act, dtype, residual, cfg):
+    """The Hopper back-to-back GEMM (intermediate in registers, output by TMA stores) against
+    PyTorch in fp32: ragged M (the last block's rows clipped), persistent CTAs (M = 65536 and
+    16390 loop over row blocks), N1 = 192 and 256 (one block a CTA), a residual, bf16, 64-row
+    blocks with three w2 stages; the rows as ``[2, M / 2]`` (3-D activations read in place)."""
     import tvm  # pylint: disable=import-outside-toplevel
 
     from tvm_comfuse.schedule import wgmma_b2b as wb, wgmma_mainloop as wm  # pylint: disable=import-outside-toplevel
 
     _need_sm90(tvm)
     g = torch.Generator(device="cuda").manual_seed(M + N1 + N2)
-    rnd = lambda *s: torch.randn(*s, device="cuda", dtype=torch.float16, generator=g)  # noqa: E731
-    x, w1, b1, w2, b2 = rnd(M, K), rnd(N1, K) / K**0.5, rnd(N1), rnd(N2, N1) / N1**0.5, rnd(N2)
-    out = torch.full((M, N2), float("nan"), device="cuda", dtype=torch.float16)
-    kernel = wm.build(wb.wgmma_b2b(M, N1, N2, K, "float16", act, bm))["main"]
-    kernel(*[tvm.runtime.from_dlpack(t) for t in (x, w1, b1, w2, b2, out)])
+    tdt = getattr(torch, dtype)
+    rnd = lambda *s: torch.randn(*s, device="cuda", dtype=tdt, generator=g)  # noqa: E731
+    x, w1, b1, w2, b2 = rnd(2, M // 2, K), rnd(N1, K) / K**0.5, rnd(N1), rnd(N2, N1) / N1**0.5, rnd(N2)
+    extra = [rnd(2, M // 2, N2)] if residual else []
+    out = torch.full((2, M // 2, N2), float("nan"), device="cuda", dtype=tdt)
+    spec = wb.B2B.mlp(dtype, act, residual=residual)
+    kernel = wm.build(wb.wgmma_b2b(M, N1, N2, K, spec, wb.B2BConfig(*cfg) if cfg else None, lead=(2, M // 2)))["main"]
+    kernel(*[tvm.runtime.from_dlpack(t) for t in (x, w1, b1, w2, b2, *extra, out)])
     f = torch.nn.functional
-    h = {"relu": f.relu, "gelu": f.gelu, "silu": f.silu}[act](x.float() @ w1.float().T + b1.float())
-    assert (out.float() - (h @ w2.float().T + b2.float())).abs().max().item() <= TOL["float16"]
+    h = x.float() @ w1.float().T + b1.float()
+    h = {"relu": f.relu, "gelu": f.gelu, "silu": f.silu, None: lambda v: v}[act](h)
+    ref = h @ w2.float().T + b2.float() + (extra[0].float() if residual else 0)
+    assert (out.float() - ref).abs().max().item() <= TOL[dtype]

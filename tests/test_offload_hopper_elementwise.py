@@ -231,10 +231,10 @@ def test_opt_in_hopper_groups():
 
     assert passes(SM90A) == ["OffloadHopperPostNorm"]
     assert passes(SM90A, hopper_groups=cf.pipeline.HOPPER_GROUPS) == ["OffloadHopperPostNorm", "OffloadHopperAttention",
-                                                                     "OffloadHopperElementwise"]
+                                                                     "OffloadHopperB2B", "OffloadHopperElementwise"]
     assert passes(SM90A, hopper_groups=["elementwise"]) == ["OffloadHopperElementwise"]
     assert passes(SM90A, hopper=False, hopper_groups=["elementwise"]) == [] and passes("llvm", hopper_groups=["attention"]) == []
-    with pytest.raises(cf.ComFuseError, match="post_norm, attention, elementwise"):
+    with pytest.raises(cf.ComFuseError, match="post_norm, attention, b2b, elementwise"):
         cf.pipeline.fusion_passes(tvm.target.Target(SM90A), hopper_groups=["softmax"])
 
 

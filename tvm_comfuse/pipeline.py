@@ -22,8 +22,8 @@ from tvm.s_tir import meta_schedule as ms
 from .errors import ComFuseError
 from .schedule import GemmRowTile
 from .target import is_gpu, parse_target
-from .transform import (AnnotateFusedBlocks, FuseComputeMemory, OffloadHopperAttention, OffloadHopperElementwise,
-                        OffloadHopperPostNorm)
+from .transform import (AnnotateFusedBlocks, FuseComputeMemory, OffloadHopperAttention, OffloadHopperB2B,
+                        OffloadHopperElementwise, OffloadHopperPostNorm)
 from .transform.fuse_compute_memory import KIND_ATTR
 from .transform.offload_hopper import uses_hopper
 
@@ -114,8 +114,9 @@ def vanilla_fusion_passes():
 
 
 #: The Hopper kernels ComFuse has, by the groups they take: ``post_norm`` (GEMM + row norm),
-#: ``attention`` (multi-head attention), ``elementwise`` (GEMM + elementwise chain).
-HOPPER_GROUPS = ("post_norm", "attention", "elementwise")
+#: ``attention`` (multi-head attention), ``b2b`` (GEMM -> elementwise -> GEMM through a narrow
+#: intermediate), ``elementwise`` (GEMM + elementwise chain).
+HOPPER_GROUPS = ("post_norm", "attention", "b2b", "elementwise")
 #: Those ``get_pipeline`` runs on sm_90 unless told otherwise: the measured ones (the others were
 #: written in session 14 without a GPU and stay opt-in until they have run on one).
 DEFAULT_HOPPER_GROUPS = ("post_norm",)
@@ -137,12 +138,14 @@ def fusion_passes(target=None, hopper: bool | None = None, database=None, build=
     it has their records), then the vanilla legalisation and fusion of the
     rest, then the annotation of the fused PrimFuncs: everything up to scheduling. ``build``: as
     :class:`OffloadHopperPostNorm`'s. The attention pass runs before the elementwise one, which
-    folds the casts and the transpose it leaves on the projections' outputs into their kernels."""
+    folds the casts and the transpose it leaves on the projections' outputs into their kernels;
+    the b2b pass too, which takes GEMM + elementwise pairs the elementwise one would take apart."""
     groups = resolve_hopper_groups(hopper_groups)
     offload = []
     if target is not None and uses_hopper(target, hopper):
         offload += [OffloadHopperPostNorm(target, build, database)] if "post_norm" in groups else []
         offload += [OffloadHopperAttention(target, build)] if "attention" in groups else []
+        offload += [OffloadHopperB2B(target, build)] if "b2b" in groups else []
         offload += [OffloadHopperElementwise(target, build, database)] if "elementwise" in groups else []
     keeps = bool(offload) and "post_norm" in groups  # groups the rule declines stay whole for the post-norm kernel
     return [FuseComputeMemory(target=target, hopper=keeps), *offload, *vanilla_fusion_passes(), AnnotateFusedBlocks()]

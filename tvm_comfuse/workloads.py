@@ -186,6 +186,48 @@ def attention(b: int, h: int, s: int, d: int = 64, dtype: str = "float16", scale
     return bb.get()
 
 
+#: Issue 5's MLP shapes (``comfuse bench --mlp N1...``): tokens x model width, the width of the
+#: narrow intermediate varying.
+MLP_TOKENS, MLP_WIDTH = (16384, 65536), 1024
+
+
+def mlp(M: int, K: int, N1: int, N2: int | None = None, dtype: str = "float16", act: str | None = "gelu", *,
+        batch: int | None = None, bias2: bool = True, residual: bool = False) -> tvm.IRModule:
+    """``act(x @ w1.T + b1) @ w2.T (+ b2) (+ r)``, two PyTorch ``nn.Linear`` layers (weights
+    ``[N, K]``) around an activation, as ``main(x, w1, b1, w2[, b2][, r])``; ``batch`` makes the
+    activations 3-D ``[batch, M, ...]``. ComFuse's back-to-back GEMM pattern (issue 5) when the
+    intermediate ``N1`` is narrow."""
+    N2 = N2 or K
+    rows = (batch, M) if batch else (M,)
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((*rows, K), dtype))
+    w1 = relax.Var("w1", relax.TensorType((N1, K), dtype))
+    b1 = relax.Var("b1", relax.TensorType((N1,), dtype))
+    w2 = relax.Var("w2", relax.TensorType((N2, N1), dtype))
+    params = [x, w1, b1, w2]
+    params += [relax.Var("b2", relax.TensorType((N2,), dtype))] if bias2 else []
+    params += [relax.Var("r", relax.TensorType((*rows, N2), dtype))] if residual else []
+    with bb.function("main", params):
+        with bb.dataflow():
+            h = bb.emit(relax.op.add(bb.emit(relax.op.matmul(x, bb.emit(relax.op.permute_dims(w1)))), b1))
+            h = bb.emit(getattr(relax.op.nn, act)(h)) if act else h
+            y = bb.emit(relax.op.matmul(h, bb.emit(relax.op.permute_dims(w2))))
+            for p in params[4:]:
+                y = bb.emit(relax.op.add(y, p))
+            out = bb.emit_output(y)
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def mlp_reference(args: list, act: str | None = "gelu"):
+    """NumPy float64 reference of :func:`mlp` for its inputs ``[x, w1, b1, w2, *added]``."""
+    x, w1, b1, w2, *added = (np.asarray(a, dtype=np.float64) for a in args)
+    y = _np_act(act, x @ w1.T + b1) @ w2.T
+    for a in added:
+        y = y + a
+    return y
+
+
 def bert_encoder(
     layers: int = 2,
     hidden: int = 64,

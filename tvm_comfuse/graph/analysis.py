@@ -265,8 +265,10 @@ def _b2b(blk: _Block, groups: list, function: str) -> list:
                             fused=False,
                             note=(
                                 f"a GEMM chain feeds a second GEMM through a {g.gemm[2]}-wide "
-                                "intermediate; back-to-back scheduling is not available yet, so "
-                                "the two GEMMs keep separate kernels (their groups are listed apart)"
+                                "intermediate; on sm_90, get_pipeline(target, hopper_groups=(..., "
+                                "'b2b')) runs the pair as one kernel with the intermediate on chip "
+                                "(opt-in, not yet measured on a GPU); otherwise the two GEMMs keep "
+                                "separate kernels (their groups are listed apart)"
                             ),
                         )
                     )

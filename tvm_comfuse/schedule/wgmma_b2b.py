@@ -1,151 +1,342 @@
-"""Hopper back-to-back GEMM (issue 5, first step): ``act(x @ w1.T + b1) @ w2.T + b2``, one kernel.
+"""Hopper back-to-back GEMM (issue 5): ``chain2(chain1(x @ w1.T) @ w2.T)`` in one kernel.
 
-The intermediate never leaves the chip, and not even the registers: each consumer warpgroup
-computes 64 rows of the first GEMM on :mod:`.wgmma_mainloop` (``N1 <= 256``: the whole
-intermediate row), adds the bias and applies the activation on the fp32 accumulators, and packs
-them to fp16 pairs that are exactly the A-operand fragments of the second GEMM's
-``wgmma.mma_async`` in its register-A form (accumulator pair ``(8j + 2p, 8j + 2p + 1)`` is A
-register ``p`` of k-slice ``j``: the m64nNk16 D layout and the m64k16 A layout coincide per
-warp). The second GEMM's ``w2`` streams through the same TMA ring, after GEMM 1's K steps: its
-``bn2``-row tiles as ``N1 / 64`` chunks of 64 columns, one ring step each, so the producer loads
-w2 while the consumers still finish GEMM 1 or store the previous output tile.
+The MLP ``act(x @ w1.T + b1) @ w2.T + b2 (+ r)`` with a narrow intermediate (``N1 <= 256``): the
+intermediate never leaves the chip, and not even the registers. Each consumer warpgroup
+computes 64 rows of the first GEMM on :mod:`.wgmma_mainloop`, applies the first chain (bias,
+activation, as the graph rounds them: :class:`~.wgmma_elementwise.Elementwise`) to the fp32
+accumulators and packs them to 16-bit pairs that are exactly the A-operand fragments of the
+second GEMM's register-A ``wgmma.mma_async`` (accumulator pair ``(8j + 2p, 8j + 2p + 1)`` is A
+register ``p`` of k-slice ``j``: the m64nNk16 D layout and the m64k16 A layout coincide per warp).
 
-``bm / 64`` consumer warpgroups per CTA share each w1 and w2 tile; the intermediate is rounded
-to fp16 once, after the activation (the graph rounds after the GEMM, the bias and the
-activation: within fp16 rounding). Not yet in the Relax pipeline (the pass detects
-``b2b_gemm`` groups; outlining them comes with the measurement). The first version (one
-warpgroup, cp.async) was correct on the H200 but slower than eager PyTorch at M = 65536
-(``notebooks/results/session8-h200-2026-12-03/``).
+Why this shape (the first version, session 8, was correct on the H200 but slower than eager
+PyTorch on every MLP shape of issue 5, 151 against 101 us at 65536 x 1024 -> 64 -> 1024): the
+kernel moves ``x`` in and ``out`` out, 256 MB there, a memory-bound job, and the first version
+did neither at full speed. Its second GEMM's output left from registers in the accumulator
+layout (16-byte pieces of eight rows per warp store, 4096 store instructions a 128-row block),
+and each CTA took one row block, so nothing overlapped a block's loads with its stores. Here:
+
+- ``out`` leaves by TMA: each output tile is written once to shared memory (the 128-byte
+  swizzle, no bank conflicts) and stored by one ``cp.async.bulk.tensor`` per 64 x 64 box, in two
+  staging buffers, so the next tile's wgmmas run while the last one drains (rows past M are
+  clipped by the TMA unit: any M);
+- CTAs are persistent (one an SM, row blocks ``bx, bx + grid, ...``) and fed by two rings with a
+  producer thread each: GEMM 1's (``x`` and ``w1`` tiles) and ``w2``'s (``bn2 x 64`` chunks),
+  so the next block's ``x`` streams in while this block's second GEMM and stores run.
+
+Written in session 15 without a GPU: checked on CPU (nvcc for sm_90a, no spills, no accumulator
+read before its wgmma's wait, the NumPy model against PyTorch), opt-in until it has run on one.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import tvm
 from tvm.script import tirx as T
 
 from ..errors import ComFuseError
-from .chain import activation
-from .wgmma_mainloop import (_PTX_TYPE, SMEM_LIMIT, TMA_LOAD, Ring, WgmmaConfig, box_rows, fragment, mainloop, roles,
-                             tensor_map)
+from .chain import Step
+from .wgmma_elementwise import Elementwise, epilogue_value
+from .wgmma_elementwise import reference as elementwise_reference
+from .wgmma_mainloop import (_PTX_TYPE, CONSUMER_BARRIER, SMEM_LIMIT, TMA_LOAD, Ring, WgmmaConfig, box_rows, fragment,
+                             mainloop, roles, tensor_map)
+from .wgmma_postnorm import BOX_COLS, SM_COUNT, TMA_STORE
 
-ACTIVATIONS = ("identity", "relu", "gelu", "silu")
-
-
-def _activate(v, act: str):
-    return v if act == "identity" else activation(v, act)
-
-
-def b2b_config(n1: int, n2: int, bm: int = 128) -> tuple:
-    """``(phase-1 WgmmaConfig, bn2)``: ``bm`` rows a CTA (``bm / 64`` consumer warpgroups), the
-    deepest ring (up to 4), and the widest ``bn2 <= 128`` that divides ``n2`` (a w2 chunk,
-    ``bn2 x 64``, takes one ring slot)."""
-    bn2 = next((b for b in (128, 96, 64, 48, 32, 16) if n2 % b == 0), None)
-    if bn2 is None:
-        raise ComFuseError(f"wgmma b2b: N2 = {n2} is not a multiple of 16")
-    stages = min(4, SMEM_LIMIT // ((bm + n1) * 64 * 2))
-    return WgmmaConfig(bm=bm, bn=n1, stages=stages, bk=64, wg_n=1), bn2
+#: Widths of the intermediate the kernel takes: a 64-row slab of it in one warpgroup's registers.
+INTERMEDIATE = (64, 128, 192, 256)
 
 
-def b2b_problems(m, n1, n2, k, dtype, act, bm: int = 128) -> list:
-    """What keeps :func:`wgmma_b2b` from these shapes (empty if nothing)."""
-    found = []
-    if act not in ACTIVATIONS:
-        found.append(f"activation {act!r} (one of {ACTIVATIONS})")
+@dataclass(frozen=True)
+class B2B:
+    """The fused pair: ``out = second(first(x @ w1.T) @ w2.T)``, each half a GEMM + elementwise
+    chain (:class:`~.wgmma_elementwise.Elementwise`, no layout). ``first`` ends in ``dtype`` (the
+    intermediate as the graph rounds it, the second GEMM's input); ``second`` ends in a 16-bit
+    ``out_dtype``, what the TMA stores write."""
+
+    first: Elementwise = Elementwise("float16", (Step("cast", "float16"), Step("add", "float16", 0), Step("gelu", "float16")),
+                                     (("float16", False),), "float16")
+    second: Elementwise = Elementwise("float16", (Step("cast", "float16"), Step("add", "float16", 0)), (("float16", False),),
+                                      "float16")
+
+    @classmethod
+    def mlp(cls, dtype: str = "float16", act: str | None = "gelu", bias2: bool = True, residual: bool = False) -> B2B:
+        """``act(x @ w1.T + b1) @ w2.T (+ b2) (+ r)`` computed in ``dtype`` as a Relax graph of
+        that dtype rounds it (after the GEMM and after each op)."""
+        first = (Step("cast", dtype), Step("add", dtype, 0)) + ((Step(act, dtype),) if act else ())
+        second, ops2 = [Step("cast", dtype)], []
+        for tile in [False] * bias2 + [True] * residual:
+            second.append(Step("add", dtype, len(ops2)))
+            ops2.append((dtype, tile))
+        return cls(Elementwise(dtype, first, ((dtype, False),), dtype), Elementwise(dtype, tuple(second), tuple(ops2), dtype))
+
+    @property
+    def dtype(self) -> str:
+        return self.first.dtype
+
+    @property
+    def out_dtype(self) -> str:
+        return self.second.out_dtype
+
+    def problems(self) -> list:
+        """What the kernel cannot compute of this description (empty if nothing)."""
+        found = [f"first chain: {p}" for p in self.first.problems()] + [f"second chain: {p}" for p in self.second.problems()]
+        if self.first.layout or self.second.layout:
+            found.append("an output layout (the intermediate and the output are row-major [M, N])")
+        if self.first.out_dtype != self.dtype or self.second.dtype != self.dtype:
+            found.append(f"an intermediate in {self.first.out_dtype} (the second GEMM takes {self.dtype}, as the first does)")
+        if self.out_dtype not in _PTX_TYPE:
+            found.append(f"output dtype {self.out_dtype} (16-bit: {sorted(_PTX_TYPE)})")
+        elif self.out_dtype != self.dtype:
+            found.append(f"output dtype {self.out_dtype} with {self.dtype} inputs (the staging buffers are the inputs' dtype)")
+        return found
+
+
+def reference(spec: B2B, x, w1, *rest):
+    """NumPy model of the kernel (``rest``: the first chain's operands, ``w2``, the second's):
+    the oracle the offload's CPU tests run in the kernel's place."""
+    n1 = len(spec.first.operands)
+    h = elementwise_reference(spec.first, np.asarray(x).reshape(-1, x.shape[-1]), w1, *[_rows(p, x) for p in rest[:n1]])
+    out = elementwise_reference(spec.second, h, rest[n1], *[_rows(p, x) for p in rest[n1 + 1:]])
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _rows(p, x):
+    """An operand as the 2-D kernel reads it: a tile ``[*rows, N]`` as ``[M, N]``, a vector as it is."""
+    p = np.asarray(p)
+    return p.reshape(-1, p.shape[-1]) if p.ndim > 1 and x.ndim > 2 else p
+
+
+@dataclass(frozen=True)
+class B2BConfig:
+    """A CTA takes row blocks of ``bm`` rows (``bm / 64`` consumer warpgroups): GEMM 1 in ``bk``
+    steps through a ``stages``-deep ring; GEMM 2 in output tiles of ``bn2`` columns, ``w2``'s
+    ``bn2 x 64`` chunks through a ``stages2``-deep ring of their own; each output tile staged in
+    one of two shared buffers for its TMA stores."""
+
+    bm: int = 128
+    stages: int = 4
+    bk: int = 64
+    bn2: int = 128
+    stages2: int = 2
+    #: One CTA an SM looping over row blocks (the next block's x loads during this one's second
+    #: GEMM), or one CTA a block. The default above N1 = 128 is not: across the loop ptxas
+    #: (CUDA 13.0) keeps GEMM 1's accumulators apart from GEMM 2's fragments and accumulators,
+    #: and spills (32 to 736 bytes at N1 = 192 and 256, none one block a CTA).
+    persistent: bool = True
+
+    def phase1(self, n1: int) -> WgmmaConfig:
+        """GEMM 1's mainloop: the CTA's rows, the whole intermediate row."""
+        return WgmmaConfig(self.bm, n1, self.stages, self.bk, 1)
+
+    def ring2_bytes(self) -> int:
+        return self.stages2 * self.bn2 * 64 * 2
+
+    def staging_bytes(self) -> int:
+        return 2 * self.bm * self.bn2 * 2
+
+    def smem_bytes(self, n1: int) -> int:
+        return self.phase1(n1).smem_bytes + self.ring2_bytes() + self.staging_bytes()
+
+    def problems(self, m: int, n1: int, n2: int, k: int, dtype: str) -> list:
+        """What keeps this configuration from these shapes (empty if nothing)."""
+        found = []
+        if n1 not in INTERMEDIATE:
+            found.append(f"N1 = {n1} (one of {INTERMEDIATE}: the intermediate row in one warpgroup's registers)")
+        if self.bn2 not in (64, 128) or n2 % self.bn2:
+            found.append(f"bn2 = {self.bn2} for N2 = {n2} (64 or 128, dividing N2: 64-column staging boxes)")
+        if self.stages2 < 2:
+            found.append(f"stages2 = {self.stages2} (at least 2: the next w2 chunk loads while one is read)")
+        if self.bm not in (64, 128):
+            found.append(f"bm = {self.bm} (64 or 128: the registers of more row warpgroups do not hold both GEMMs' tiles)")
+        if n1 in INTERMEDIATE and self.smem_bytes(n1) > SMEM_LIMIT:
+            found.append(f"{self.smem_bytes(n1) // 1024} KiB of shared memory (at most {SMEM_LIMIT // 1024}: fewer stages, a smaller bk or bn2)")
+        p1 = self.phase1(n1 if n1 in INTERMEDIATE else 64)
+        found += [p for p in p1.problems(-(-m // self.bm) * self.bm, p1.bn, k, dtype) if "shared memory" not in p]
+        return found
+
+
+def default_config(m: int, n1: int, n2: int, k: int, dtype: str = "float16") -> B2BConfig | None:
+    """128-row blocks (two consumer warpgroups share each w1 and w2 tile: measured faster than 64
+    rows at every N1 in session 8), the widest ``bn2`` dividing N2, two ``w2`` stages, and the
+    deepest GEMM 1 ring (up to 4 steps of 64, else of 32) that fits beside them; None if none does."""
+    bn2 = 128 if n2 % 128 == 0 else 64
+    for bk in (64, 32):
+        for stages in (4, 3, 2):
+            cfg = B2BConfig(128, stages, bk, bn2, 2, n1 <= 128)
+            if not cfg.problems(m, n1, n2, k, dtype):
+                return cfg
+    return None
+
+
+def problems(m: int, n1: int, n2: int, k: int, spec: B2B, cfg: B2BConfig | None = None) -> list:
+    """What keeps the kernel from this pair (empty if nothing): any M, N1 in :data:`INTERMEDIATE`,
+    N2 a multiple of 64, K of 32, static shapes."""
+    found = spec.problems()
     if not all(isinstance(d, int) for d in (m, n1, n2, k)):
         return found + ["symbolic shapes (static only)"]
-    if n1 % 64 or not 64 <= n1 <= 256:
-        found.append(f"N1 = {n1} (64, 128, 192 or 256: the intermediate row in one warpgroup's registers)")
-    try:
-        cfg, bn2 = b2b_config(n1, n2, bm)
-    except ComFuseError as err:
-        return found + [str(err)]
-    if cfg.stages < n1 // 64:
-        found.append(f"a {cfg.stages}-slot ring for {n1 // 64} w2 chunks a tile (a smaller bm)")
-    return found + cfg.problems(m, n1, k, dtype)
+    cfg = cfg or default_config(m, n1, n2, k, spec.dtype)
+    if cfg is None:
+        return found + (B2BConfig(bk=32, stages=2, bn2=64).problems(m, n1, n2, k, spec.dtype)
+                        or [f"M, N1, N2, K = {m}, {n1}, {n2}, {k}: no configuration fits"])
+    return found + cfg.problems(m, n1, n2, k, spec.dtype)
 
 
-def wgmma_b2b(m: int, n1: int, n2: int, k: int, dtype: str = "float16", act: str = "relu", bm: int = 128):
-    """``out[m, n2] = act(x[m, k] @ w1[n1, k].T + b1) @ w2[n2, n1].T + b2``, fp32 accumulation,
-    a tirx PrimFunc for sm_90a with parameters ``(x, w1, b1, w2, b2, out)``."""
-    found = b2b_problems(m, n1, n2, k, dtype, act, bm)
+def _intermediate(spec: B2B) -> Elementwise:
+    """The first chain with its last rounding left to the pack into GEMM 2's A fragments
+    (``cvt.rn`` rounds as the graph's cast does: one instruction for two values)."""
+    steps = spec.first.steps
+    if steps and steps[-1].dtype == spec.dtype:
+        steps = steps[:-1] + (dataclasses.replace(steps[-1], dtype="float32"),)
+    return dataclasses.replace(spec.first, steps=steps, out_dtype="float32")
+
+
+def wgmma_b2b(m: int, n1: int, n2: int, k: int, spec: B2B = B2B(), cfg: B2BConfig | None = None, lead=None):
+    """The fused kernel, a tirx PrimFunc for sm_90a with parameters ``(x[*lead, k], w1[n1, k],
+    the first chain's operands, w2[n2, n1], the second chain's operands, out[*lead, n2])``
+    (operands: ``[n]`` vectors or ``[*lead, n]`` tiles); ``lead`` are the row dimensions
+    (``(m,)`` by default; ``(B, S)`` for 3-D activations, read as ``B * S`` rows in place).
+    fp32 accumulation in both GEMMs."""
+    found = problems(m, n1, n2, k, spec, cfg)
     if found:
         raise ComFuseError("wgmma b2b cannot take " + "; ".join(found))
-    cfg, bn2 = b2b_config(n1, n2, bm)
-    st, kt, chunks, tiles = cfg.stages, k // 64, n1 // 64, n2 // bn2
-    produce, consume = mainloop(cfg, k, dtype)
-    ring = Ring(st, cfg.consumers)
-    init, acquire, wait, release = ring.init(), ring.acquire(), ring.wait(), ring.release()
-    producer, consumer = roles(cfg)
-    encode_x, encode_w1 = tensor_map(m, k, box_rows(bm), 64, dtype), tensor_map(n1, k, box_rows(n1), 64, dtype)
-    encode_w2 = tensor_map(n2, n1, bn2, 64, dtype)
-    acc1_n, acc2_n, slices = n1 // 2, bn2 // 2, n1 // 16
+    cfg = cfg or default_config(m, n1, n2, k, spec.dtype)
+    lead = tuple(lead or (m,))
+    if math.prod(lead) != m:
+        raise ComFuseError(f"wgmma b2b: row dimensions {lead} do not multiply to M = {m}")
+    c1, dtype = cfg.phase1(n1), spec.dtype
+    bm, bn2, st2, kt, chunks, tiles, boxes = cfg.bm, cfg.bn2, cfg.stages2, k // cfg.bk, n1 // 64, n2 // cfg.bn2, cfg.bn2 // BOX_COLS
+    blocks = -(-m // bm)
+    grid = min(blocks, SM_COUNT) if cfg.persistent else blocks
+    produce, consume = mainloop(c1, k, dtype)
+    ring1, ring2 = Ring(c1.stages, c1.consumers), Ring(st2, c1.consumers)
+    init1, init2 = ring1.init(), ring2.init()
+    acquire2, wait2, release2 = ring2.acquire(), ring2.wait(), ring2.release()
+    producer, consumer = roles(c1)
+    maps = {"x": tensor_map(m, k, box_rows(bm), cfg.bk, dtype), "w1": tensor_map(n1, k, box_rows(n1), cfg.bk, dtype),
+            "w2": tensor_map(n2, n1, bn2, 64, dtype), "out": tensor_map(m, n2, 64, BOX_COLS, dtype)}
     t = _PTX_TYPE[dtype]
-    mma2 = f"wgmma.mma_async.sync.aligned.m64n{bn2}k16.f32.{t}.{t}"
-    pack = f"cvt.rn.{t}x2.f32"
+    mma2, pack = f"wgmma.mma_async.sync.aligned.m64n{bn2}k16.f32.{t}.{t}", f"cvt.rn.{t}x2.f32"
+    first = _intermediate(spec)
+    ring1_elems, ring2_elems = c1.smem_bytes // 2, cfg.ring2_bytes() // 2
+
+    def clamp(row):  # a tile operand's row past M (the last block's TMA zeros): read row M - 1, not stored
+        return T.min(row, m - 1) if m % bm else row
 
     # pylint: disable=invalid-name,unused-variable,too-many-locals
-    @T.prim_func
-    def b2b(x: T.handle, w1: T.handle, b1: T.handle, w2: T.handle, b2: T.handle, o: T.handle):
-        A = T.match_buffer(x, (m, k), dtype, align=16)
-        B1 = T.match_buffer(w1, (n1, k), dtype, align=16)
-        bias1 = T.match_buffer(b1, (n1,), dtype)
-        W2 = T.match_buffer(w2, (n2, n1), dtype, align=16)
-        bias2 = T.match_buffer(b2, (n2,), dtype)
-        out = T.match_buffer(o, (m, n2), dtype, align=16)
-        A_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
-        B1_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
-        W2_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
-        encode_x(A_map, A.data)
-        encode_w1(B1_map, B1.data)
-        encode_w2(W2_map, W2.data)
-        T.device_entry()
-        bx = T.cta_id([m // bm])
-        wg = T.warpgroup_id([cfg.consumers + 1])
+    @T.macro
+    def gemm2_tile(S2, full2, empty2, acc2, frag, db, tw, tile_no):
+        """Output tile ``tile_no`` (counted over the CTA's blocks) of GEMM 2 into ``acc2``: its
+        ``N1 / 64`` w2 chunks from the second ring, A from the registers; each chunk's slot is
+        released once the next chunk's wgmmas are issued and its own have completed."""
+        for c in T.unroll(chunks):
+            step = T.meta_var(tile_no * chunks + c)
+            wait2(full2, step)
+            T.ptx["wgmma.fence.sync.aligned"]()
+            for jj in T.unroll(4):
+                j = T.meta_var(4 * c + jj)
+                T.cuda.wgmma.encode_matrix_descriptor(T.address_of(db[0]), S2.ptr_to([step % st2, 0, jj * 16]), 1, 1024 >> 4, 3)
+                T.ptx[mma2](*[acc2[i] for i in range(bn2 // 2)], frag[4 * j], frag[4 * j + 1], frag[4 * j + 2], frag[4 * j + 3],
+                            db[0], T.ptx.pred(j > 0), 1, 1, 0)
+            T.ptx["wgmma.commit_group.sync.aligned"]()
+            if c == chunks - 1:
+                T.ptx["wgmma.wait_group.sync.aligned"](0)
+                if c > 0:
+                    release2(empty2, step - 1, tw)
+                release2(empty2, step, tw)
+            elif c > 0:
+                T.ptx["wgmma.wait_group.sync.aligned"](1)
+                release2(empty2, step - 1, tw)
+
+    @T.macro
+    def store_tile(out_map, O, P2, acc2, cw, tw, row0, tile, buf):
+        """Output tile ``tile`` of the warpgroup's rows (from ``row0``): the second chain into
+        staging buffer ``buf`` (after its previous TMA stores have read it), then one TMA store a
+        box, issued by the warpgroup's thread 0 (whose bulk groups they are)."""
+        if tw == 0:
+            T.ptx["cp.async.bulk.wait_group.read"](1)  # the store two tiles back has read buf
+        T.ptx["bar.sync"](T.uint32(CONSUMER_BARRIER) + T.cast(cw, "uint32"), 128)
+        for q in T.unroll(bn2 // 4):  # accumulators 2q, 2q + 1: one row's adjacent columns
+            for v in T.vectorized(2):
+                lrow, lcol = T.meta_var(fragment(tw, 2 * q + v))
+                O[buf, cw, lcol // BOX_COLS, lrow, (lcol % BOX_COLS // 8 ^ lrow % 8) * 8 + lcol % 8] = epilogue_value(
+                    spec.second, P2, acc2[2 * q + v], clamp(row0 + lrow), tile * bn2 + lcol)
+        T.ptx["fence.proxy.async.shared::cta"]()
+        T.ptx["bar.sync"](T.uint32(CONSUMER_BARRIER) + T.cast(cw, "uint32"), 128)
+        if tw == 0:
+            for b in T.unroll(boxes):
+                T.ptx[TMA_STORE](T.address_of(out_map), tile * bn2 + b * BOX_COLS, row0, O.ptr_to([buf, cw, b, 0, 0]))
+            T.ptx["cp.async.bulk.commit_group"]()
+
+    @T.macro
+    def body(x_map, w1_map, w2_map, out_map, P1, P2):
+        bx = T.cta_id([grid])
+        wg = T.warpgroup_id([c1.consumers + 1])
         tw = T.thread_id_in_wg([128])
-        S = T.alloc_shared([st, bm + n1, 64], dtype, scope="shared.dyn", align=1024)
-        full = T.alloc_shared([st], "uint64", scope="shared", align=8)
-        empty = T.alloc_shared([st], "uint64", scope="shared", align=8)
-        acc1 = T.alloc_local([acc1_n], "float32")
-        acc2 = T.alloc_local([acc2_n], "float32")
-        frag = T.alloc_local([slices * 4], "uint32")
+        # one dynamic buffer (tirx allows one): GEMM 1's ring, w2's ring, the two staging buffers
+        flat = T.alloc_shared([ring1_elems + ring2_elems + cfg.staging_bytes() // 2], dtype, scope="shared.dyn", align=1024)
+        S1 = T.decl_buffer([c1.stages, bm + n1, cfg.bk], dtype, data=flat.data, scope="shared.dyn")
+        S2 = T.decl_buffer([st2, bn2, 64], dtype, data=flat.data, elem_offset=ring1_elems, scope="shared.dyn")
+        O = T.decl_buffer([2, bm // 64, boxes, 64, BOX_COLS], dtype, data=flat.data, elem_offset=ring1_elems + ring2_elems,
+                          scope="shared.dyn")
+        full = T.alloc_shared([c1.stages], "uint64", scope="shared", align=8)
+        empty = T.alloc_shared([c1.stages], "uint64", scope="shared", align=8)
+        full2 = T.alloc_shared([st2], "uint64", scope="shared", align=8)
+        empty2 = T.alloc_shared([st2], "uint64", scope="shared", align=8)
+        acc1 = T.alloc_local([n1 // 2], "float32")
+        acc2 = T.alloc_local([bn2 // 2], "float32")
+        frag = T.alloc_local([n1 // 4], "uint32")
         da = T.alloc_local([1], "uint64")
         db = T.alloc_local([1], "uint64")
-        init(full, empty, wg * 128 + tw)
+        init1(full, empty, wg * 128 + tw)
+        init2(full2, empty2, wg * 128 + tw)
+        iters = T.meta_var((blocks - 1 - bx) // grid + 1)  # row blocks bx, bx + grid, ...
         if wg == 0:
             producer()
-            if tw == 0:
-                produce(A_map, B1_map, S, S, full, empty, bx * bm, 0, 0)
-                for tile in T.serial(tiles):  # then w2, a bn2 x 64 chunk a step
-                    for c in T.unroll(chunks):
-                        step = T.meta_var(kt + tile * chunks + c)
-                        acquire(full, empty, step, bn2 * 64 * 2)
-                        T.ptx[TMA_LOAD](S.ptr_to([step % st, 0, 0]), T.address_of(W2_map), c * 64, tile * bn2, full.ptr_to([step % st]))
+            if tw == 0:  # GEMM 1's x and w1 tiles, block after block
+                for it in T.serial(iters):
+                    produce(x_map, w1_map, S1, S1, full, empty, (bx + it * grid) * bm, 0, it * kt)
+            if tw == 32:  # w2's chunks (a second warp: its waits do not hold up x)
+                for it in T.serial(iters):
+                    for tile in T.serial(tiles):
+                        for c in T.unroll(chunks):
+                            step = T.meta_var((it * tiles + tile) * chunks + c)
+                            acquire2(full2, empty2, step, bn2 * 64 * 2)
+                            T.ptx[TMA_LOAD](S2.ptr_to([step % st2, 0, 0]), T.address_of(w2_map), c * 64, tile * bn2,
+                                            full2.ptr_to([step % st2]))
         else:
             consumer()
-            row0 = T.meta_var(bx * bm + (wg - 1) * 64)
-            consume(S, S, full, empty, acc1, da, db, wg - 1, tw, 0)
-            for j in T.unroll(slices):  # bias, activation, fp16 pairs: the A fragments of GEMM 2
-                for p in T.unroll(4):
-                    col = T.meta_var(fragment(tw, 8 * j + 2 * p)[1])
-                    lo = T.meta_var(_activate(acc1[8 * j + 2 * p] + T.cast(bias1[col], "float32"), act))
-                    hi = T.meta_var(_activate(acc1[8 * j + 2 * p + 1] + T.cast(bias1[col + 1], "float32"), act))
-                    T.ptx[pack](frag[4 * j + p], hi, lo)
-            for tile in T.serial(tiles):
-                for c in T.unroll(chunks):
-                    step = T.meta_var(kt + tile * chunks + c)
-                    wait(full, step)
-                    T.ptx["wgmma.fence.sync.aligned"]()
-                    for jj in T.unroll(4):
-                        j = T.meta_var(4 * c + jj)
-                        T.cuda.wgmma.encode_matrix_descriptor(T.address_of(db[0]), S.ptr_to([step % st, 0, jj * 16]), 1, 1024 >> 4, 3)
-                        T.ptx[mma2](*[acc2[i] for i in range(acc2_n)], frag[4 * j], frag[4 * j + 1], frag[4 * j + 2],
-                                    frag[4 * j + 3], db[0], T.ptx.pred(j > 0), 1, 1, 0)
-                T.ptx["wgmma.commit_group.sync.aligned"]()
-                T.ptx["wgmma.wait_group.sync.aligned"](0)
-                for c in T.unroll(chunks):
-                    release(empty, kt + tile * chunks + c, tw)
-                for q in T.unroll(acc2_n // 2):
-                    for v in T.vectorized(2):
-                        row, col = T.meta_var(fragment(tw, 2 * q + v))
-                        out[row0 + row, tile * bn2 + col] = T.cast(acc2[2 * q + v] + T.cast(bias2[tile * bn2 + col], "float32"), dtype)
+            cw = T.meta_var(wg - 1)
+            for it in T.serial(iters):
+                row0 = T.meta_var((bx + it * grid) * bm + cw * 64)
+                consume(S1, S1, full, empty, acc1, da, db, cw, tw, it * kt)
+                for j in T.unroll(n1 // 16):  # the first chain, packed: the A fragments of GEMM 2
+                    for p in T.unroll(4):
+                        lrow, col = T.meta_var(fragment(tw, 8 * j + 2 * p))
+                        lo = T.meta_var(epilogue_value(first, P1, acc1[8 * j + 2 * p], clamp(row0 + lrow), col))
+                        hi = T.meta_var(epilogue_value(first, P1, acc1[8 * j + 2 * p + 1], clamp(row0 + lrow), col + 1))
+                        T.ptx[pack](frag[4 * j + p], hi, lo)
+                for tile in T.serial(tiles):
+                    gemm2_tile(S2, full2, empty2, acc2, frag, db, tw, it * tiles + tile)
+                    store_tile(out_map, O, P2, acc2, cw, tw, row0, tile, (it * tiles + tile) % 2)
+            if tw == 0:
+                T.ptx["cp.async.bulk.wait_group.read"](0)  # the staging buffers outlive the stores' reads
 
-    return b2b
+    # the parameter list depends on the operands: the signature is generated, the body is the macro above
+    def operands(prefix, half, n):
+        return [(f"{prefix}{j}", (*lead, n) if tile else (n,), d, (m, n) if tile else None) for j, (d, tile) in enumerate(half.operands)]
+
+    signature = [("x", (*lead, k), dtype, (m, k)), ("w1", (n1, k), dtype, None), *operands("p", spec.first, n1),
+                 ("w2", (n2, n1), dtype, None), *operands("q", spec.second, n2), ("out", (*lead, n2), spec.out_dtype, (m, n2))]
+    lines = [f"def b2b_gemm({', '.join(f'{p}_h: T.handle' for p, *_ in signature)}):"]
+    lines += [f"    {p}_p = T.match_buffer({p}_h, {shp}, {dt!r}, align=16)" for p, shp, dt, _ in signature]
+    lines += [f"    {p}_map: T.let[T.handle('tensormap')] = T.tvm_stack_alloca('tensormap', 1)" for p in maps]
+    lines += [f"    encode_{p}({p}_map, {p}_p.data)" for p in maps] + ["    T.device_entry()"]
+    lines += [f"    {p} = T.decl_buffer({view}, {dt!r}, data={p}_p.data)" if view else f"    {p} = {p}_p"
+              for p, _, dt, view in signature if p[0] in "pq"]
+    ops1, ops2 = (", ".join(f"{c}{j}" for j in range(len(h.operands))) for c, h in (("p", spec.first), ("q", spec.second)))
+    lines += [f"    body(x_map, w1_map, w2_map, out_map, ({ops1}{',' if ops1 else ''}), ({ops2}{',' if ops2 else ''}))"]
+    return tvm.script.from_source("@T.prim_func\n" + "\n".join(lines),
+                                  extra_vars={"T": T, "body": body, **{f"encode_{p}": enc for p, enc in maps.items()}})

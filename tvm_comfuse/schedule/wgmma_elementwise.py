@@ -104,6 +104,16 @@ def layout_offset(layout: tuple, row, col):
     return offset
 
 
+def epilogue_value(spec: Elementwise, P, v, row, col, dtype: str | None = None):
+    """``spec``'s chain on the fp32 accumulator ``v`` at ``(row, col)`` of the GEMM's result,
+    held in ``dtype`` (default ``spec.out_dtype``); ``P`` are the operands' buffers (a tile
+    read at ``(row, col)``, a vector at ``col``). Plain Python, run while a kernel is parsed:
+    one expression per accumulator."""
+    dtype = dtype or spec.out_dtype
+    v, cur = chain_value(v, spec.steps, [d for d, _ in spec.operands], lambda j: P[j][row, col] if spec.operands[j][1] else P[j][col])
+    return v if cur == dtype else T.cast(v if cur == "float32" else T.cast(v, "float32"), dtype)
+
+
 def _padded(m: int, bm: int) -> int:
     """Rows of the CTAs' tiles over ``m`` rows: TMA reads the rows past M as zeros, and their
     results are not stored (any M works)."""
@@ -163,13 +173,6 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
     init = Ring(cfg.stages, cfg.consumers).init()
     producer, consumer = roles(cfg)
     maps = {"x": tensor_map(m, k, box_rows(bm), cfg.bk, spec.dtype), "w": tensor_map(n, k, box_rows(bn), cfg.bk, spec.dtype)}
-    dtypes = [d for d, _ in spec.operands]
-
-    def value(P, v, row, col):
-        """The chain on accumulator ``v`` at ``(row, col)``, in ``out_dtype`` (Python, run at parse time)."""
-        v, cur = chain_value(v, spec.steps, dtypes, lambda j: P[j][row, col] if spec.operands[j][1] else P[j][col])
-        return v if cur == spec.out_dtype else T.cast(v if cur == "float32" else T.cast(v, "float32"), spec.out_dtype)
-
     def at(row, col):
         """Where ``(row, col)`` of the GEMM's result lies in the output (Python, at parse time)."""
         return (layout_offset(spec.layout, row, col),) if spec.layout else (row, col)
@@ -208,9 +211,9 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
                     row, col = T.meta_var((bx * bm + (wg - 1) // cfg.wg_n * 64 + lrow, by * bn + (wg - 1) % cfg.wg_n * cfg.wg_cols + lcol))
                     if ragged:  # the last row tile's rows past M: computed on TMA's zeros, not stored
                         if row < m:
-                            out[at(row, col)] = value(P, acc[2 * q + j], row, col)
+                            out[at(row, col)] = epilogue_value(spec, P, acc[2 * q + j], row, col)
                     else:
-                        out[at(row, col)] = value(P, acc[2 * q + j], row, col)
+                        out[at(row, col)] = epilogue_value(spec, P, acc[2 * q + j], row, col)
 
     # the parameter list depends on the operands: the signature is generated, the body is the macro above
     signature = [("x", (*lead, k), spec.dtype, (m, k)), ("w", (n, k), spec.dtype, None)]

@@ -6,4 +6,5 @@ from .fuse_compute_memory import GROUPS_ATTR, KIND_ATTR, FuseComputeMemory, anal
 from .hoist_row_reshape import HoistRowReshape
 from .offload_hopper import OffloadHopperPostNorm
 from .offload_hopper_attention import OffloadHopperAttention
+from .offload_hopper_b2b import OffloadHopperB2B
 from .offload_hopper_elementwise import OffloadHopperElementwise

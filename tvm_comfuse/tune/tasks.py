@@ -23,7 +23,7 @@ import tvm_ffi
 from tvm.s_tir import meta_schedule as ms
 
 from ..pipeline import resolve_hopper_groups, fusion_passes
-from ..transform import FuseComputeMemory, OffloadHopperAttention, OffloadHopperPostNorm
+from ..transform import FuseComputeMemory, OffloadHopperAttention, OffloadHopperB2B, OffloadHopperPostNorm
 from ..transform.fuse_compute_memory import KIND_ATTR
 from ..transform.offload_hopper import taken_groups, uses_hopper
 from ..transform.offload_hopper_elementwise import planned_groups
@@ -78,6 +78,7 @@ def hopper_tasks(mod: tvm.IRModule, target: tvm.target.Target, hopper_groups=Non
         noop = lambda *_: None  # noqa: E731  (rewrite the graph as the compile does, build nothing)
         before = [OffloadHopperPostNorm(target, noop)] if "post_norm" in groups else []
         before += [OffloadHopperAttention(target, noop)] if "attention" in groups else []
+        before += [OffloadHopperB2B(target, noop)] if "b2b" in groups else []  # the pairs it takes are not elementwise groups
         with target:
             seen = tvm.transform.Sequential(before)(grouped)
         for gv, func, spec, roles, mnk, out_shape, _ in planned_groups(seen):
