@@ -31,11 +31,13 @@ def test_console_script_is_installed():
 
 
 def test_bench_without_a_gpu_says_so_and_its_table_marks_absent_contenders(capsys):
-    """``comfuse bench --attention`` parses and, with no GPU, exits 2 naming the problem; the
+    """``comfuse bench --attention`` and ``--mlp`` parse and, with no GPU, exits 2 naming the problem; the
     results table shows '-' where a contender does not apply to a case (sdpa on a post-norm)."""
     from tvm_comfuse import bench  # pylint: disable=import-outside-toplevel
 
     assert main(["bench", "--shapes", "--attention", "128", "512"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+    assert main(["bench", "--shapes", "--mlp", "64", "256"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
     rows = [bench.Row("attention-b32h8-s128", 4096, 64, 512, "attention", "float16", "sdpa", kernel_us=10.0),
             bench.Row("bert-base-attnout", 4096, 768, 768, "layer_norm", "float16", "comfuse", kernel_us=13.0)]

@@ -200,6 +200,24 @@ def test_gpu_bert_encoder_on_the_opt_in_hopper_kernels(groups):
     assert (out - ref).abs().max().item() <= 5e-2
 
 
+@pytest.mark.parametrize("kw", [dict(residual=True), dict(batch=2, bias2=False, act="silu")])
+def test_gpu_mlp_on_the_b2b_kernel(kw):
+    """``get_pipeline(..., hopper_groups=("b2b",))``: an MLP with a 128-wide intermediate (M =
+    1000, not a multiple of the 128-row blocks) runs as one b2b kernel call, and matches
+    PyTorch in fp32."""
+    import tvm  # pylint: disable=import-outside-toplevel
+
+    _need_sm90(tvm)
+    mod = wl.mlp(500 if "batch" in kw else 1000, 256, 128, 512, **kw)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    args = [torch.randn(*[int(d) for d in p.ty.shape.values], device="cuda", dtype=torch.float16, generator=g)
+            / (int(p.ty.shape.values[-1]) ** 0.5 if p.name.startswith("w") else 1) for p in mod["main"].params]
+    (out,), kernels = _run_on_gpu(mod, args, hopper=True, hopper_groups=("b2b",))
+    assert [k for k in kernels if k.startswith("comfuse_wgmma_b2b_")]
+    ref = wl.mlp_reference([a.float().cpu().numpy() for a in args], kw.get("act", "gelu"))
+    assert (out.cpu().double() - torch.from_numpy(ref)).abs().max().item() <= TOL["float16"]
+
+
 #: Seeds whose case the first H200 fuzz run (200 cases, notebooks/results/fuzz-gpu-h200-2026-12-02.json)
 #: found wrong on the GPU. Three wrote rows of neighbouring thread blocks (3-D rows read through
 #: ``r -> (r // S, r % S)``): the rule now rejects such schedules and DLight takes them. The

@@ -168,3 +168,31 @@ def test_analysis_names_the_kernel_that_takes_b2b_groups():
     says how to run it as one kernel."""
     (b2b,) = [g for g in cf.analyze(wl.mlp(128, 64, 64, 64)) if g.kind == cf.B2B_GEMM]
     assert "hopper_groups" in b2b.note and not b2b.fused
+
+
+def test_rewrite_agrees_with_vanilla_on_the_fuzz_family():
+    """Differential check of the pair rewrite (matching, both chains, operands, the plain second
+    GEMM) on the ``b2b`` fuzz family: grouped as for sm_90, each pair the kernel takes replaced
+    by the kernel's NumPy model (the halves it does not take by the elementwise kernel's), the
+    graph agrees with vanilla TVM on llvm (the fuzzer's oracle), NaN and Inf inputs included."""
+    from tvm_comfuse.testing import fuzz  # pylint: disable=import-outside-toplevel
+
+    taken = apart = 0
+    for seed in range(60):
+        case = fuzz.generate_b2b(seed)
+        if case.M * (case.batch or 1) * 1024 > 1024 * 1024:
+            continue
+        mod, args = fuzz.build(case), fuzz.inputs(case)
+        with tvm.target.Target(SM90A):
+            grouped = FuseComputeMemory(target=SM90A, hopper=True)(mod)
+        calls = []
+        build = _numpy_kernels(calls)
+        offloaded = OffloadHopperElementwise("llvm", build=build)(OffloadHopperB2B("llvm", build=build)(grouped))
+        ours = [o.reshape(-1) for o in fuzz._run(tvm.compile(offloaded, target="llvm"), offloaded, args, "llvm")]  # pylint: disable=protected-access
+        theirs = [o.reshape(-1) for o in fuzz._run(tvm.compile(mod, target="llvm"), mod, args, "llvm")]  # pylint: disable=protected-access
+        ref = [r.reshape(-1) for r in fuzz.reference(case, args)]
+        why = [fuzz._mismatch(o, t, r, fuzz.tolerance_dtype(case), fuzz.TOL) for o, t, r in zip(ours, theirs, ref)]  # pylint: disable=protected-access
+        assert not any(why), (seed, case.describe(), why)
+        b2b = any(c.startswith("comfuse_wgmma_b2b_") for c in calls)
+        taken, apart = taken + b2b, apart + (not b2b)
+    assert taken >= 30 and apart >= 2

@@ -7,8 +7,8 @@ default pipeline: DLight; and, when asked, tuned by MetaSchedule's stock rules w
 budget ComFuse's logs had) and ComFuse (its default pipeline: on sm_90 the Hopper wgmma
 kernels; ``comfuse_mma_sync``: the portable mma.sync rule, untuned; ``comfuse_tuned``: the
 default pipeline with the shipped tuning logs, the wgmma kernels' tuned configurations on sm_90;
-``comfuse_hopper_all``, models and attention only: the default pipeline with every Hopper
-kernel, the attention and GEMM + elementwise ones too, opt-in until measured; ``sdpa``,
+``comfuse_hopper_all``, models, attention and MLPs only: the default pipeline with every Hopper
+kernel, the attention, back-to-back GEMM and GEMM + elementwise ones too, opt-in until measured; ``sdpa``,
 attention only: PyTorch's ``scaled_dot_product_attention``, flash attention on the H200). Each contender's output is checked against a float32
 PyTorch reference before it is timed; a wrong result is reported and not timed. Two times
 per call: device time (sum of kernel durations from the CUDA profiler, so launch and VM
@@ -277,6 +277,45 @@ def run_attention(seqs, which=CONTENDERS, log=print) -> list:
             except Exception as err_:  # pylint: disable=broad-except
                 fn, fn_out = _raise(err_), None
             rows.append(_timed(torch, row, fn, fn_out, ref, TOLERANCE["float16"], log))
+    return rows
+
+
+def run_mlp(widths, which=CONTENDERS, log=print) -> list:
+    """Issue 5's MLP, ``gelu(x @ w1.T + b1) @ w2.T + b2`` (fp16, ``workloads.mlp``), at each
+    intermediate width and each of :data:`workloads.MLP_TOKENS` tokens, model width
+    :data:`workloads.MLP_WIDTH`: eager (two cuBLAS GEMMs with their bias epilogues and a GELU
+    kernel), torch.compile, vanilla TVM, ComFuse's default pipeline (two GEMM kernels) and
+    ComFuse with every Hopper kernel (``comfuse_hopper_all``: the pair as one b2b kernel)."""
+    import torch  # pylint: disable=import-outside-toplevel
+    import tvm  # pylint: disable=import-outside-toplevel
+
+    target = tvm.target.Target.from_device(tvm.cuda(0))
+    f, d, rows = torch.nn.functional, workloads.MLP_WIDTH, []
+    for m in workloads.MLP_TOKENS:
+        for n1 in widths:
+            torch.manual_seed(0)
+            args = [torch.randn(m, d, device="cuda", dtype=torch.float16), torch.randn(n1, d, device="cuda", dtype=torch.float16) / d**0.5,
+                    torch.randn(n1, device="cuda", dtype=torch.float16), torch.randn(d, n1, device="cuda", dtype=torch.float16) / n1**0.5,
+                    torch.randn(d, device="cuda", dtype=torch.float16)]
+            x, w1, b1, w2, b2 = args
+            eager = lambda x=x, w1=w1, b1=b1, w2=w2, b2=b2: f.linear(f.gelu(f.linear(x, w1, b1)), w2, b2)  # noqa: E731
+            ref = eager(*[a.float() for a in args])
+            contenders = {"eager": (eager, eager)}
+            if "inductor" in which:
+                compiled = torch.compile(eager, dynamic=False)
+                contenders["inductor"] = (compiled, compiled)
+            mod = workloads.mlp(m, d, n1, d)
+            for contender in [c for c in ("eager", "inductor", "tvm_dlight", "comfuse", "comfuse_hopper_all") if c in which]:
+                row = Row(f"mlp-{m}x{d}-{n1}", m, d, d, f"mlp{n1}", "float16", contender)
+                if contender in contenders:
+                    rows.append(_timed(torch, row, *contenders[contender], ref, TOLERANCE["float16"], log))
+                    continue
+                try:
+                    groups = HOPPER_GROUPS if contender == "comfuse_hopper_all" else None
+                    fn, fn_out = _tvm_callable(torch, mod, args, contender != "tvm_dlight", target, hopper_groups=groups)
+                except Exception as err_:  # pylint: disable=broad-except
+                    fn, fn_out = _raise(err_), None
+                rows.append(_timed(torch, row, fn, fn_out, ref, TOLERANCE["float16"], log))
     return rows
 
 

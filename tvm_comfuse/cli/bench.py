@@ -17,6 +17,7 @@ EXAMPLES = """examples:
   comfuse bench --contenders cublas_gemm inductor comfuse comfuse_mma_sync   the portable mma.sync rule too
   comfuse bench --shapes --models bert-base bert-large --batch 32 --seq 128   whole encoders only
   comfuse bench --shapes --attention 128 256 512 1024   multi-head attention, batch x heads 256, head dim 64
+  comfuse bench --shapes --mlp 64 128 256         gelu(x @ w1.T + b1) @ w2.T + b2 through a narrow intermediate
 """
 
 
@@ -31,6 +32,8 @@ def add_parser(sub) -> None:
     p.add_argument("--models", nargs="*", default=[], choices=list(bench.MODELS), help="whole encoders, end to end (fp16)")
     p.add_argument("--attention", nargs="*", type=int, default=[], metavar="SEQ",
                    help="multi-head attention at these sequence lengths (batch x heads 256, head dim 64, fp16)")
+    p.add_argument("--mlp", nargs="*", type=int, default=[], metavar="N1",
+                   help="back-to-back GEMM MLPs with these intermediate widths (16384 and 65536 tokens, width 1024, fp16)")
     p.add_argument("--batch", type=int, default=32, help="batch of --models (default 32)")
     p.add_argument("--seq", type=int, default=128, help="sequence length of --models (default 128)")
     p.add_argument("--norms", nargs="+", default=["layer_norm"], choices=["layer_norm", "rms_norm", "softmax"])
@@ -55,6 +58,8 @@ def run(args) -> int:
         rows += bench.run_model(model, args.batch, args.seq, tuple(args.contenders))
     if args.attention:
         rows += bench.run_attention(args.attention, tuple(args.contenders))
+    if args.mlp:
+        rows += bench.run_mlp(args.mlp, tuple(args.contenders))
     print(bench.table(rows))
     out = args.out or os.path.join(
         "notebooks", "results", f"bench-{tvm.cuda(0).device_name.replace(' ', '_')}-{datetime.date.today()}.json"

@@ -34,7 +34,8 @@ CLI: ``python -m tvm_comfuse.testing.fuzz --cases 1000 --seed 0 --out report.jso
 export them (adds in fp16/bf16, the norm in float32), shaped for the sm_90 wgmma kernels, which
 the random family's shapes and casts never reach; ``--family hopper_gemm`` from
 :func:`generate_hopper_gemm`: GEMM + elementwise blocks (heads split after some) compiled with
-the opt-in GEMM + elementwise kernel.
+the opt-in GEMM + elementwise kernel; ``--family b2b`` from :func:`generate_b2b`: two GEMMs
+around an elementwise chain (MLPs), compiled with the opt-in back-to-back GEMM kernel.
 """
 
 from __future__ import annotations
@@ -235,8 +236,31 @@ def generate_hopper_gemm(seed: int) -> Case:
     return dataclasses.replace(case, scale=BIG[dtype] if rng.random() < 0.25 else 1.0, special=pick(("", "", "", "", "nan", "inf")))
 
 
+def generate_b2b(seed: int) -> Case:
+    """A random MLP from ``seed``, ``x @ w.T`` -> bias, activation -> ``@ v.T`` (the ``gemm2``
+    token) -> bias, residual, compiled with the opt-in back-to-back GEMM kernel (deterministic):
+    fp16 or bf16, rows any count (2-D or batched), an intermediate the kernel holds (64 to 256)
+    and an output width it tiles (multiples of 64). One case in six has what it does not (an
+    intermediate of 96 or 320, an output of 100) so the two halves' fallback is fuzzed beside it."""
+    rng = np.random.default_rng(seed)
+    pick = lambda xs: xs[int(rng.integers(len(xs)))]  # noqa: E731
+    dtype = pick(("float16", "bfloat16"))
+    odd = rng.random() < 1 / 6
+    m, k, batch = pick((64, 100, 128, 200, 512, 1000, 4096)), pick((64, 128, 256, 768)), pick((None, None, 2))
+    n1 = pick((96, 320)) if odd and rng.random() < 0.7 else pick((64, 128, 192, 256))
+    n2 = 100 if odd and n1 in (64, 128, 192, 256) else pick((64, 128, 256, 320, 512, 1024))
+    ops = [("bias",)] if rng.random() < 0.9 else []
+    ops += [("act", pick(("relu", "gelu", "silu")))] if rng.random() < 0.8 else []
+    ops.append(("gemm2", n2))
+    ops += [("bias",)] if rng.random() < 0.7 else []
+    ops += [("residual",)] if rng.random() < 0.3 else []
+    case = Case(seed=seed, dtype=dtype, M=m, K=k, N=n1, batch=batch, linear=True, ops=tuple(ops), input_seed=seed,
+                groups=("post_norm", "b2b", "elementwise"))
+    return dataclasses.replace(case, scale=BIG[dtype] if rng.random() < 0.2 else 1.0, special=pick(("", "", "", "", "nan", "inf")))
+
+
 #: ``--family`` of the CLI: the generator of each case.
-FAMILIES = {"random": generate, "hopper": generate_hopper, "hopper_gemm": generate_hopper_gemm}
+FAMILIES = {"random": generate, "hopper": generate_hopper, "hopper_gemm": generate_hopper_gemm, "b2b": generate_b2b}
 
 
 # ----------------------------------------------------------------------------- building
@@ -248,16 +272,19 @@ def _rows(case):
 
 def params(case: Case) -> list:
     """``(name, shape)`` of every parameter, in order: x, w, then per-op extras."""
-    out = [("x", (*_rows(case), case.K)), ("w", (case.N, case.K) if case.linear else (case.K, case.N))]
+    out, n = [("x", (*_rows(case), case.K)), ("w", (case.N, case.K) if case.linear else (case.K, case.N))], case.N
     for i, op in enumerate(case.ops):
         if op == ("bias",):
-            out.append((f"b{i}", (case.N,)))
+            out.append((f"b{i}", (n,)))
         elif op == ("residual",):
-            out.append((f"r{i}", (*_rows(case), case.N)))
+            out.append((f"r{i}", (*_rows(case), n)))
+        elif op[0] == "gemm2":  # a second GEMM, x @ w.T, to op[1] columns
+            out.append((f"v{i}", (op[1], n)))
+            n = op[1]
         elif op[0] in ("reduce", "norm32") and op[1] in ("layer_norm", "rms_norm", "ln_decomposed"):
-            out.append((f"gamma{i}", (case.N,)))
+            out.append((f"gamma{i}", (n,)))
             if op[1] != "rms_norm":
-                out.append((f"beta{i}", (case.N,)))
+                out.append((f"beta{i}", (n,)))
     return out
 
 
@@ -292,6 +319,8 @@ def build(case: Case) -> tvm.IRModule:
                     y = bb.emit(op.power(y, const(2.0)))
                 elif kind == "to":
                     y = bb.emit(op.astype(y, dt))
+                elif kind == "gemm2":
+                    y = bb.emit(op.matmul(y, bb.emit(op.permute_dims(vs[f"v{i}"]))))
                 elif kind == "heads":  # [B, M, N] -> [B, heads, M, N / heads], as attention splits them
                     y = bb.emit(op.permute_dims(bb.emit(op.reshape(y, (case.batch, case.M, tok[1], case.N // tok[1]))), [0, 2, 1, 3]))
                 elif kind == "norm32":
@@ -343,6 +372,8 @@ def inputs(case: Case) -> list:
         a = rng.standard_normal(shape) * case.scale
         if name == "w":
             a /= np.sqrt(case.K)
+        elif name[0] == "v":  # a second GEMM's weight [N2, N]
+            a /= np.sqrt(shape[-1])
         out.append(a)
     if case.special:
         for _ in range(int(rng.integers(1, 4))):
@@ -385,6 +416,8 @@ def reference(case: Case, args: list) -> list:
                 y = y * y
             elif kind == "to":
                 y = _round(y, case.dtype)
+            elif kind == "gemm2":
+                y = y @ vs[f"v{i}"].T
             elif kind == "heads":
                 y = y.reshape(case.batch, case.M, tok[1], case.N // tok[1]).transpose(0, 2, 1, 3)
             else:
@@ -712,7 +745,8 @@ def main(argv=None) -> int:
     parser.add_argument("--jobs", type=int, default=1, help="compile in this many worker processes")
     parser.add_argument("--family", choices=sorted(FAMILIES), default="random",
                         help="random graphs (default); hopper: post-norm blocks shaped for the sm_90 wgmma kernels; "
-                             "hopper_gemm: GEMM + elementwise blocks for the opt-in wgmma kernel")
+                             "hopper_gemm: GEMM + elementwise blocks for the opt-in wgmma kernel; "
+                             "b2b: MLPs for the opt-in back-to-back GEMM kernel")
     args = parser.parse_args(argv)
     if args.target == "cuda" and not tvm.cuda(0).exist:
         parser.error("--target cuda needs a CUDA GPU, and tvm.cuda(0) finds none")

@@ -1,4 +1,4 @@
-"""The opt-in Hopper kernels of session 14 against PyTorch, at BERT-base's shapes (issues 5 and 6).
+"""The opt-in Hopper kernels of sessions 14 and 15 against PyTorch, at BERT-base's and issue 5's shapes (issues 5 and 6).
 
 Written without a GPU: the GEMM + elementwise kernel (``schedule/wgmma_elementwise.py``) and
 the fused attention (``schedule/wgmma_attention.py``). Each is checked against a float32
@@ -20,6 +20,15 @@ GEMM alone (their layout costs only scattered stores); attention within 2x of Py
 kernel (it is one CTA per 128 queries of a head, 384 CTAs for 132 SMs) and 5x under eager; at
 1024 keys within 2.5x of flash (each key block's second GEMM waits for its first: no overlap).
 
+Session 15: the back-to-back GEMM kernel rebuilt (``schedule/wgmma_b2b.py``: TMA-stored output,
+persistent CTAs fed by two rings) at issue 5's MLP shapes, ``gelu(x @ w1.T + b1) @ w2.T + b2``
+with 16384 and 65536 tokens of width 1024 and an intermediate of 64, 128 or 256: two cuBLAS
+GEMMs alone (the GEMMs' floor), eager, torch.compile, the kernel's default and its variants
+(persistent or not, 64-row blocks). Session 8's kernel took 151, 163 and 193 us at 65536
+tokens where eager took 101, 111 and 167. Prediction: all correct; the default under eager at
+every shape; at 65536 tokens within 1.2x of moving x and out once at 4 TB/s (67 us) for N1 = 64
+and 128, and at N1 = 256 (69 GFLOP) 125-150 us; persistence worth 10-20% at N1 <= 128.
+
 Run on the GPU: ``bash .ci/gpu-run notebooks/results/experiments/hopper_opt_in.py`` (writes
 ``$OUT/hopper-opt-in.json``).
 """
@@ -29,7 +38,10 @@ import tvm
 
 from wgmma_gemm import measure, save, timed  # the same directory: sys.path[0] when run as a script
 
+import dataclasses
+
 from tvm_comfuse.schedule import wgmma_attention as wa
+from tvm_comfuse.schedule import wgmma_b2b as wb
 from tvm_comfuse.schedule import wgmma_elementwise as we
 from tvm_comfuse.schedule.chain import Step
 
@@ -117,10 +129,34 @@ def issue5_attention(rows, gen):
         attention(rows, gen, 32, 8, s, 64, inductor=False)
 
 
+def mlp(rows, gen, width=1024):
+    """Issue 5's MLPs on the b2b kernel: its default, the default not persistent (or persistent
+    where it is not), 64-row blocks."""
+    for m in (16384, 65536):
+        for n1 in (64, 128, 256):
+            rnd = lambda *s: torch.randn(*s, device="cuda", dtype=torch.float16, generator=gen)  # noqa: E731
+            x, w1, b1, w2, b2 = rnd(m, width), rnd(n1, width) / width**0.5, rnd(n1), rnd(width, n1) / n1**0.5, rnd(width)
+            ref = F.gelu(x.float() @ w1.float().T + b1.float()) @ w2.float().T + b2.float()
+            h = F.gelu(F.linear(x, w1, b1))
+            base = dict(op="mlp_gelu", M=m, K=width, N1=n1, N=width)
+            print(f"MLP {m}x{width} -> {n1} -> {width}", flush=True)
+            _row(rows, base, "cublas_two_gemms_alone", lambda x=x, w1=w1, h=h, w2=w2: (torch.matmul(x, w1.T), torch.matmul(h, w2.T))[1])
+            _row(rows, base, "eager", lambda x=x, w1=w1, b1=b1, w2=w2, b2=b2: F.linear(F.gelu(F.linear(x, w1, b1)), w2, b2), ref)
+            compiled = torch.compile(lambda a, w1=w1, b1=b1, w2=w2, b2=b2: F.linear(F.gelu(F.linear(a, w1, b1)), w2, b2), dynamic=False)
+            _row(rows, base, "inductor", lambda c=compiled, x=x: c(x), ref)
+            default = wb.default_config(m, n1, width, width)
+            variants = {"default": default, "flip_persistent": dataclasses.replace(default, persistent=not default.persistent),
+                        "bm64": dataclasses.replace(default, bm=64)}
+            for name, cfg in variants.items():
+                out = torch.empty(m, width, device="cuda", dtype=torch.float16)
+                _ours(rows, dict(base, config=dataclasses.asdict(cfg)), f"comfuse_wgmma_b2b_{name}",
+                      lambda c=cfg, m=m, n1=n1: wb.wgmma_b2b(m, n1, width, width, wb.B2B.mlp(), c), [x, w1, b1, w2, b2], out, ref)
+
+
 def main():
     rows, gen = [], torch.Generator(device="cuda").manual_seed(0)
     assert tvm.cuda(0).exist
-    for part in (attention, ffn1, projections, issue5_attention):  # BERT-base's first: a run cut short keeps them
+    for part in (mlp, attention, ffn1, projections, issue5_attention):  # the newest first: a run cut short keeps them
         part(rows, gen)
     save("hopper-opt-in.json", rows)
 
