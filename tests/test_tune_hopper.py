@@ -299,3 +299,49 @@ def test_compile_uses_the_fastest_elementwise_record(tmp_path, monkeypatch, capl
     assert space[5] in seen and seen.count(None) == len(seen) - 1
     assert "1 of 4 wgmma GEMM + elementwise groups use tuned configurations" in caplog.text
     assert applied_from_database(mod, H100, logs, hopper_groups=ALL)[0] == 1
+
+
+B2B = ("post_norm", "b2b", "elementwise")
+
+
+def _mlp():
+    return workloads.mlp(1000, 256, 128, 512, residual=True)
+
+
+def test_b2b_pairs_are_tasks_with_the_opt_in_group():
+    """With ``hopper_groups`` naming ``b2b``, an MLP's GEMM pair is one ``wgmma_b2b`` task (the
+    two groups inlined into one PrimFunc of the kernel's inputs), no task is left for its halves,
+    and the space is every configuration the kernel takes, default first."""
+    from tvm_comfuse.schedule import wgmma_b2b as wb  # pylint: disable=import-outside-toplevel
+
+    target = tvm.target.Target(H100)
+    tasks = extract_tasks(_mlp(), target, hopper_groups=B2B)
+    assert [t.kind for t in tasks] == ["wgmma_b2b"]
+    assert [t.kind for t in extract_tasks(_mlp(), target, hopper_groups=("post_norm", "elementwise"))] == ["wgmma_elementwise"] * 2
+    desc = hopper.description_of(tasks[0].mod)
+    assert desc.mnk == (1000, 128, 512, 256) and desc.roles == tuple(range(6)) and len(tasks[0].mod["main"].params) == 7
+    space = desc.configs()
+    assert space[0] == wb.default_config(*desc.mnk, "float16") and len(set(space)) == len(space) > 10
+    ctx = ms.TuneContext(mod=tasks[0].mod, target=target, space_generator=hopper.space(target), task_name="t", num_threads=1)
+    assert [hopper.config_of(s.trace, "b2b") for s in ctx.generate_design_space()] == space
+    (result,) = worker_pool(workers=1).build([ms.builder.BuilderInput(ctx.generate_design_space()[-1].mod, target)])
+    assert result.error_msg is None and os.path.isfile(result.artifact_path)
+
+
+def test_compile_uses_the_fastest_b2b_record(tmp_path, monkeypatch, caplog):
+    """``get_pipeline(..., database=DIR, hopper_groups=(..., "b2b"))``: the pair builds its
+    fastest recorded configuration, and the count says so."""
+    from tvm_comfuse.pipeline import load_database  # pylint: disable=import-outside-toplevel
+    from tvm_comfuse.schedule import wgmma_b2b as wb  # pylint: disable=import-outside-toplevel
+    from tvm_comfuse.transform import OffloadHopperB2B  # pylint: disable=import-outside-toplevel
+
+    target, mod = tvm.target.Target(H100), _mlp()
+    (task,) = extract_tasks(mod, target, hopper_groups=B2B)
+    space = hopper.description_of(task.mod).configs()
+    logs = _logs(tmp_path, task, [(space[0], 3e-5), (space[4], 2e-5)])
+    seen, real = [], wb.wgmma_b2b
+    monkeypatch.setattr(wb, "wgmma_b2b", lambda *a, **kw: seen.append(a[5] if len(a) > 5 else kw.get("cfg")) or real(*a, **kw))
+    with caplog.at_level(logging.INFO, logger="tvm_comfuse"), target:
+        OffloadHopperB2B(target, lambda *_: None, load_database(logs, target))(FuseComputeMemory(target=target, hopper=True)(mod))
+    assert seen == [space[4]] and "1 of 1 wgmma b2b pairs use tuned configurations" in caplog.text
+    assert applied_from_database(mod, H100, logs, hopper_groups=B2B) == (1, 1)

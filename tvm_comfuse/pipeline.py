@@ -145,7 +145,7 @@ def fusion_passes(target=None, hopper: bool | None = None, database=None, build=
     if target is not None and uses_hopper(target, hopper):
         offload += [OffloadHopperPostNorm(target, build, database)] if "post_norm" in groups else []
         offload += [OffloadHopperAttention(target, build)] if "attention" in groups else []
-        offload += [OffloadHopperB2B(target, build)] if "b2b" in groups else []
+        offload += [OffloadHopperB2B(target, build, database)] if "b2b" in groups else []
         offload += [OffloadHopperElementwise(target, build, database)] if "elementwise" in groups else []
     keeps = bool(offload) and "post_norm" in groups  # groups the rule declines stay whole for the post-norm kernel
     return [FuseComputeMemory(target=target, hopper=keeps), *offload, *vanilla_fusion_passes(), AnnotateFusedBlocks()]

@@ -20,6 +20,7 @@ EXAMPLES = """examples:
   comfuse tune bert-base-attnout --target nvidia/nvidia-h100 --no-hopper   the portable mma.sync rule instead
   comfuse tune bert-base --layers 3 --target nvidia/nvidia-h100 --hopper-groups post_norm attention elementwise
                                                            the opt-in Hopper kernels too (compile with the same groups)
+  comfuse tune mlp-65536-64 --target nvidia/nvidia-h100 --hopper-groups post_norm b2b   the back-to-back GEMM kernel
   comfuse tune bert-base --layers 2 --target '{"kind": "cuda", "arch": "sm_90"}' --include-vanilla
   comfuse tune my_model.py --work-dir logs/mine            a Relax IRModule saved with mod.script()
   comfuse tune serving.py --bind n=4096 --target nvidia/nvidia-h100   symbolic rows ("n"), tuned at n = 4096
@@ -44,7 +45,8 @@ def add_parser(sub) -> None:
                         "compiles) instead of the Hopper wgmma post-norm kernel's configurations")
     p.add_argument("--hopper-groups", nargs="+", metavar="GROUP",
                    help="on sm_90, the Hopper kernels the compile will run, as get_pipeline(target, hopper_groups=...): "
-                        "post_norm (the default), attention, elementwise (its configurations are tuned too)")
+                        "post_norm (the default), attention, b2b, elementwise (b2b's and elementwise's configurations "
+                        "are tuned too)")
     p.add_argument("--layers", type=int, help="encoder layers for bert-base/bert-large (default: the real depth)")
     p.add_argument("--batch", type=int, default=64, help="candidates per measurement round; logs grow after each (default 64)")
     p.add_argument("--bind", action="append", metavar="VAR=VALUE",

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 
+from . import wgmma_b2b as wb
 from . import wgmma_elementwise as we
 from .wgmma_mainloop import WgmmaConfig
 from .wgmma_postnorm import DEFAULT_CLUSTER_SIZES, MAX_CONSUMERS, PostNorm, default_config, problems
@@ -63,5 +64,20 @@ def elementwise_configs(m: int, n: int, k: int, spec: we.Elementwise) -> list[Wg
     for (bm, bn), stages, bk in itertools.product(we.TILES, STAGES, K_STEPS):
         cfg = WgmmaConfig(bm=bm, bn=bn, stages=stages, bk=bk)
         if cfg not in found and not we.problems(m, n, k, spec, cfg):
+            found.append(cfg)
+    return found
+
+
+def b2b_configs(m: int, n1: int, n2: int, k: int, spec: wb.B2B) -> list[wb.B2BConfig]:
+    """The back-to-back kernel's configurations for the pair: rows a block, GEMM 1's ring depth
+    and K step, the output tile and w2's ring depth, persistent CTAs or not; the untuned default
+    first (none where the kernel cannot take the pair)."""
+    default = wb.default_config(m, n1, n2, k, spec.dtype)
+    if default is None or wb.problems(m, n1, n2, k, spec, default):
+        return []
+    found = [default]
+    for bm, stages, bk, bn2, stages2, persistent in itertools.product(ROWS, STAGES[:3], K_STEPS, (128, 64), (2, 3), (True, False)):
+        cfg = wb.B2BConfig(bm, stages, bk, bn2, stages2, persistent)
+        if cfg not in found and not wb.problems(m, n1, n2, k, spec, cfg):
             found.append(cfg)
     return found

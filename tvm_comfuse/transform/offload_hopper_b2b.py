@@ -67,12 +67,44 @@ def _plain_gemm(value, var2val, mid):
     return tr.args[0], wt
 
 
+def pair_function(mod: tvm.IRModule, first: relax.Call, mid: relax.Var, second: relax.Call, args: list) -> relax.Function | None:
+    """The pair as one Relax function of the kernel's arguments (fresh parameters, typed as
+    ``args``): the outlined groups' bodies inlined, ``first``'s result (bound to ``mid`` in the
+    caller) feeding ``second`` (a group call, or the plain ``matmul(mid, permute_dims(w2))``),
+    marked primitive, so LegalizeOps and FuseTIR make it the one PrimFunc tuning takes as the
+    pair's workload (:mod:`tvm_comfuse.tune.hopper`). None where a group reads something that is
+    not among ``args``."""
+    params = [relax.Var(f"a{i}", a.ty) for i, a in enumerate(args)]
+    sub = {}
+    for a, p in zip(args, params):
+        sub.setdefault(a, p)
+    rest = [a for a in second.args if not a.same_as(mid)] if isinstance(second.op, relax.GlobalVar) else []
+    if not all(a in sub for a in [*first.args, *rest]):
+        return None
+    bb = relax.BlockBuilder()
+
+    def group(call, name):
+        func = mod[call.op]
+        return bb.add_func(relax.Function(func.params, func.body, func.ret_ty), name)
+
+    with bb.function("pair", params):
+        with bb.dataflow():
+            h = bb.emit(relax.Call(group(first, "first"), [sub[a] for a in first.args]))
+            if isinstance(second.op, relax.GlobalVar):
+                out = bb.emit_output(relax.Call(group(second, "second"), [h if a.same_as(mid) else sub[a] for a in second.args]))
+            else:  # a plain second GEMM: w2 is the kernel's last argument
+                out = bb.emit_output(relax.Call(second.op, [h, bb.emit(relax.op.permute_dims(params[-1]))], second.attrs))
+        bb.emit_func_output(out)
+    return relax.transform.InlinePrivateFunctions()(bb.get())["pair"].with_attr("Primitive", True).without_attr("global_symbol")
+
+
 def planned_pairs(mod: tvm.IRModule):
-    """Each pair the kernel takes, as ``(first call's var, second call's var, spec, args, (M,
-    N1, N2, K), out_shape, dropped vars)``: ``args`` the kernel's arguments (x, w1, the first
-    chain's operands, w2, the second's), ``dropped`` the bindings the fused call replaces
-    besides the second call (the first call, a plain second GEMM's transpose). Pairs the kernel
-    cannot take are logged with the reason."""
+    """Each pair the kernel takes, as ``(first group's global var, second call's var, spec, args, (M,
+    N1, N2, K), out_shape, dropped vars, pair)``: ``args`` the kernel's arguments (x, w1, the
+    first chain's operands, w2, the second's), ``dropped`` the bindings the fused call replaces
+    besides the second call (the first call, a plain second GEMM's transpose), ``pair()`` the
+    pair as one function (:func:`pair_function`, what tuning sees). Pairs the kernel cannot take
+    are logged with the reason."""
     from ..schedule import wgmma_b2b as wb  # pylint: disable=import-outside-toplevel
     from ..schedule.wgmma_elementwise import Elementwise  # pylint: disable=import-outside-toplevel
 
@@ -107,7 +139,8 @@ def planned_pairs(mod: tvm.IRModule):
                          getattr(gv2, "name_hint", gv2), "; ".join(why))
                 continue
             args = [b.value.args[i] for i in roles1] + w2_ops
-            yield b.var, nxt[0], spec, args, (m, n1, n2, k), out_shape, dropped
+            pair = lambda first=b.value, mid=b.var, use=use, args=args: pair_function(mod, first, mid, use, args)  # noqa: E731
+            yield gv1, nxt[0], spec, args, (m, n1, n2, k), out_shape, dropped, pair
 
 
 @mutator
@@ -136,7 +169,22 @@ class OffloadHopperB2B(HopperOffload):  # pylint: disable=too-few-public-methods
     it (see the module docstring); a no-op unless ``target`` is an sm_90 CUDA target or
     ``build`` is given (``build(prim_func, symbol, spec, (m, n1, n2, k))``, as the other Hopper
     offloads take it: the CPU tests register the kernel's NumPy model). Pairs that compute the
-    same kernel (a model's layers) share one build."""
+    same kernel (a model's layers) share one build. ``database``: a pair with a record there
+    (``comfuse tune --hopper-groups ... b2b``) runs its fastest configuration, the others the
+    default."""
+
+    def __init__(self, target, build=None, database=None):
+        super().__init__(target, build)
+        self.database = database
+
+    def _config(self, spec, mnk, out_shape, args, pair):
+        if self.database is None:
+            return None
+        from ..tune import hopper  # pylint: disable=import-outside-toplevel  (tune imports the pipeline)
+
+        func = pair()
+        return None if func is None else hopper.tuned_config(self.database, hopper.workload(func, hopper.describe_b2b(
+            spec, mnk, out_shape, len(args))))
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         """Build each pair's kernel, rewrite the caller, drop the group functions left uncalled."""
@@ -145,15 +193,20 @@ class OffloadHopperB2B(HopperOffload):  # pylint: disable=too-few-public-methods
         build = self.builder()
         if build is None:
             return mod
-        plans, dropped, kernels = {}, set(), Kernels(build, "comfuse_wgmma_b2b")
-        for _, second, spec, args, mnk, out_shape, gone in planned_pairs(mod):
-            symbol = kernels.symbol((spec, mnk, tuple(out_shape)), "",
-                                    lambda: wb.wgmma_b2b(*mnk, spec, lead=out_shape[:-1]), spec, mnk)  # noqa: B023
+        plans, dropped, kernels, tuned = {}, set(), Kernels(build, "comfuse_wgmma_b2b"), 0
+        for _, second, spec, args, mnk, out_shape, gone, pair in planned_pairs(mod):
+            cfg = self._config(spec, mnk, out_shape, args, pair)
+            tuned += cfg is not None
+            symbol = kernels.symbol((spec, mnk, tuple(out_shape), cfg), "",
+                                    lambda: wb.wgmma_b2b(*mnk, spec, cfg, lead=out_shape[:-1]), spec, mnk)  # noqa: B023
             plans[second] = (symbol, args, out_shape, spec.out_dtype)
             dropped.update(gone)
         if not plans:
             return mod
         LOG.info("ComFuse: %d GEMM -> elementwise -> GEMM pair(s) run as %d wgmma b2b kernel(s)", len(plans), len(kernels.symbols))
+        if self.database is not None:
+            (LOG.warning if tuned < len(plans) else LOG.info)(
+                "ComFuse: %d of %d wgmma b2b pairs use tuned configurations, %d the untuned defaults", tuned, len(plans), len(plans) - tuned)
         rewriter = _PairRewriter(mod, plans, dropped)
         for gv, func in mod.functions_items():
             if isinstance(func, relax.Function) and KIND_ATTR not in (func.attrs or {}):

@@ -1,7 +1,9 @@
 """The Hopper kernels as MetaSchedule tasks: workload, space, build and lookup.
 
-The wgmma kernels (:mod:`tvm_comfuse.schedule.wgmma_postnorm`, and the GEMM + elementwise one,
-:mod:`tvm_comfuse.schedule.wgmma_elementwise`: each a :class:`Family`) are tirx programs, not
+The wgmma kernels (:mod:`tvm_comfuse.schedule.wgmma_postnorm`, the GEMM + elementwise one,
+:mod:`tvm_comfuse.schedule.wgmma_elementwise`, and the back-to-back GEMM one,
+:mod:`tvm_comfuse.schedule.wgmma_b2b`, whose workload is the pair's two groups inlined into
+one function: each a :class:`Family`) are tirx programs, not
 schedules of an s_tir PrimFunc, so MetaSchedule cannot search them the usual way. What makes
 one a task:
 
@@ -36,17 +38,18 @@ import tvm
 from tvm import relax, s_tir, tirx
 from tvm.s_tir import meta_schedule as ms
 
+from ..schedule import wgmma_b2b as wb
 from ..schedule import wgmma_elementwise as we
 from ..schedule import wgmma_postnorm as wp
 from ..schedule.chain import Step
 from ..schedule.wgmma_mainloop import WgmmaConfig
-from ..schedule.wgmma_space import configs, elementwise_configs
+from ..schedule.wgmma_space import b2b_configs, configs, elementwise_configs
 
 LOG = logging.getLogger("tvm_comfuse")
 #: Task kind of the post-norm kernel, and the PrimFunc attribute holding a kernel's description (JSON).
 KIND = "wgmma_postnorm"
 KERNEL_ATTR = "comfuse.wgmma_postnorm"
-#: Root-block annotation holding a candidate's configuration (JSON of a WgmmaConfig).
+#: Root-block annotation holding a candidate's configuration (JSON of its family's configuration dataclass).
 CONFIG_ANN = "comfuse.wgmma_config"
 
 
@@ -60,6 +63,10 @@ def _elementwise_spec(d: dict) -> we.Elementwise:
                           d["out_dtype"], layout)
 
 
+def _b2b_spec(d: dict) -> wb.B2B:
+    return wb.B2B(_elementwise_spec(d["first"]), _elementwise_spec(d["second"]))
+
+
 @dataclasses.dataclass(frozen=True)
 class Family:
     """A Hopper kernel as tuning sees it: its task kind, its outputs by name, how its
@@ -69,9 +76,10 @@ class Family:
     kind: str
     outputs: tuple
     spec: object  # dict -> the kernel's description dataclass
-    kernel: object  # (m, n, k, spec, cfg, lead) -> tirx PrimFunc
-    configs: object  # (m, n, k, spec) -> [WgmmaConfig]
-    problems: object  # (m, n, k, spec, cfg) -> [str]
+    kernel: object  # (*shape, spec, cfg, lead) -> tirx PrimFunc; shape (m, n, k), or the b2b kernel's (m, n1, n2, k)
+    configs: object  # (*shape, spec) -> [config]
+    problems: object  # (*shape, spec, cfg) -> [str]
+    config: type = WgmmaConfig  # the configurations' dataclass
 
 
 FAMILIES = {
@@ -80,6 +88,8 @@ FAMILIES = {
     "elementwise": Family("wgmma_elementwise", ("out",), _elementwise_spec,
                           lambda m, n, k, spec, cfg, lead: we.wgmma_elementwise(m, n, k, spec, cfg, lead=lead), elementwise_configs,
                           we.problems),
+    "b2b": Family("wgmma_b2b", ("out",), _b2b_spec, lambda m, n1, n2, k, spec, cfg, lead: wb.wgmma_b2b(m, n1, n2, k, spec, cfg, lead),
+                  b2b_configs, wb.problems, wb.B2BConfig),
 }
 #: The task kinds of the Hopper kernels.
 KINDS = tuple(f.kind for f in FAMILIES.values())
@@ -143,6 +153,13 @@ def describe_elementwise(spec, roles, mnk, out_shape) -> Description:
     return Description(spec, tuple(mnk), tuple(out_shape[:-1]), tuple(roles), ("out",), "elementwise")
 
 
+def describe_b2b(spec, mnk, out_shape, inputs: int) -> Description:
+    """The :class:`Description` of a back-to-back GEMM pair as the offload builds it (the
+    workload's parameters are the kernel's inputs, in its order: :func:`~tvm_comfuse.transform.
+    offload_hopper_b2b.pair_function`)."""
+    return Description(spec, tuple(mnk), tuple(out_shape[:-1]), tuple(range(inputs)), ("out",), "b2b")
+
+
 def workload(func: relax.Function, desc: Description) -> tvm.IRModule:
     """The task module of the outlined group function ``func``: its fused PrimFunc (as
     LegalizeOps and FuseTIR make it) as ``main``, tagged with ``desc``."""
@@ -170,8 +187,9 @@ def config_json(cfg: WgmmaConfig) -> str:
     return json.dumps(dataclasses.asdict(cfg), sort_keys=True)
 
 
-def config_from_json(text) -> WgmmaConfig:
-    return WgmmaConfig(**json.loads(str(text)))
+def config_from_json(text, family: str = "postnorm"):
+    """A configuration of ``family``'s kernel from its annotation."""
+    return FAMILIES[family].config(**json.loads(str(text)))
 
 
 def space(_target: tvm.target.Target, _symbolic=None) -> ms.space_generator.SpaceGenerator:
@@ -189,11 +207,11 @@ def space(_target: tvm.target.Target, _symbolic=None) -> ms.space_generator.Spac
     return ms.space_generator.ScheduleFn(generate, sch_rules=[], postprocs=[], mutator_probs={})
 
 
-def config_of(trace) -> WgmmaConfig | None:
-    """The configuration a candidate's (or record's) trace annotates, or None."""
+def config_of(trace, family: str = "postnorm"):
+    """The configuration a candidate's (or record's) trace of ``family``'s kernel annotates, or None."""
     for inst in trace.insts:
         if inst.kind.name == "Annotate" and list(inst.attrs) == [CONFIG_ANN]:
-            return config_from_json(inst.inputs[1])
+            return config_from_json(inst.inputs[1], family)
     return None
 
 
@@ -202,8 +220,8 @@ def build_candidate(mod: tvm.IRModule, _target=None, _params=None) -> tvm.runtim
     block) for sm_90a, callable with the workload's arguments. Runs in a builder worker."""
     from ..schedule.wgmma_mainloop import build  # pylint: disable=import-outside-toplevel
 
-    cfg = config_from_json(mod["main"].body.block.annotations[CONFIG_ANN])
-    return build(description_of(mod).kernel(cfg)).mod
+    desc = description_of(mod)
+    return build(desc.kernel(config_from_json(mod["main"].body.block.annotations[CONFIG_ANN], desc.family))).mod
 
 
 def tuned_config(db: ms.Database, mod: tvm.IRModule) -> WgmmaConfig | None:
@@ -214,7 +232,8 @@ def tuned_config(db: ms.Database, mod: tvm.IRModule) -> WgmmaConfig | None:
     records = db.get_top_k(db.commit_workload(mod), 1)
     if not records:
         return None
-    cfg, desc = config_of(records[0].trace), description_of(mod)
+    desc = description_of(mod)
+    cfg = config_of(records[0].trace, desc.family)
     why = ["no configuration annotated"] if cfg is None else desc.problems(cfg)
     if why:
         LOG.warning("ComFuse: a tuning record for the %s kernel at M, N, K = %s is unusable (%s); using the default",

@@ -1,8 +1,9 @@
 """Named workloads for ``comfuse tune``, and Relax modules read from TVMScript files.
 
 The names are what users tune for: the post-norm suite (the shapes ``comfuse bench``
-measures), BERT base/large encoders with their real hidden sizes and depths, and tiny
-CPU-sized modules that tune in seconds (CI, smoke tests).
+measures), issue 5's MLPs (``mlp-<tokens>-<intermediate>``, ``comfuse bench --mlp``), BERT
+base/large encoders with their real hidden sizes and depths, and tiny CPU-sized modules that
+tune in seconds (CI, smoke tests).
 """
 
 from __future__ import annotations
@@ -51,6 +52,12 @@ def _bert(name: str) -> Workload:
     )
 
 
+def _mlp(m: int, n1: int) -> Workload:
+    d = workloads.MLP_WIDTH
+    return Workload(f"mlp-{m}-{n1}", f"gelu(x[{m},{d}] @ w1.T + b1) @ w2.T + b2 through {n1} columns, fp16 "
+                    "(tune with --hopper-groups ... b2b for the back-to-back kernel)", lambda _layers: workloads.mlp(m, d, n1, d))
+
+
 def _tiny(name, desc, M, K, N, norm, **kw) -> Workload:
     return Workload(name, desc, lambda _layers: workloads.post_norm(M, K, N, "float32", norm, linear=True, **kw))
 
@@ -64,6 +71,7 @@ WORKLOADS = {
     w.name: w
     for w in (
         [_post_norm(s) for s in workloads.SUITE]
+        + [_mlp(m, n1) for m in workloads.MLP_TOKENS for n1 in (64, 128, 256)]
         + [_bert(n) for n in BERT_CONFIGS]
         + [
             _tiny("tiny-postnorm", "LayerNorm(x[64,32] @ w.T + b + r), fp32: CPU smoke test", 64, 32, 48, "layer_norm"),

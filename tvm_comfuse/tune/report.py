@@ -62,7 +62,7 @@ def decode(work_dir: str) -> dict:
             tasks[key] = {"kind": desc.kind if desc is not None else "gemm_reduce",
                           "default": dataclasses.asdict(default) if default else None, "records": []}
         # the Hopper kernel's records name their configuration; the rule's are matched by schedule
-        match = hopper.config_of(rec.trace) if desc is not None else config_of(rec.trace, func, target, spaces[key])
+        match = hopper.config_of(rec.trace, desc.family) if desc is not None else config_of(rec.trace, func, target, spaces[key])
         secs = [float(s) for s in rec.run_secs or []]
         us = round(sum(secs) / len(secs) * 1e6, 2) if secs and max(secs) < FAILED_SECS else None
         rows = tasks[key]["records"]

@@ -8,7 +8,8 @@ hopper=False)`` compiles the same module: a record tuned here is a record found 
 What MetaSchedule tunes: on sm_90 targets (where ``get_pipeline`` runs post-norm groups as the
 Hopper wgmma kernel by default) each group that kernel takes is a ``wgmma_postnorm`` task, its
 configurations the space (:mod:`.hopper`), and with ``hopper_groups`` naming ``elementwise``
-each GEMM + elementwise group the Hopper kernel takes a ``wgmma_elementwise`` task; every other
+each GEMM + elementwise group the Hopper kernel takes a ``wgmma_elementwise`` task (naming
+``b2b``, each GEMM -> elementwise -> GEMM pair a ``wgmma_b2b`` task); every other
 fused group is a task of the gemm_reduce or gemm_elementwise rule's space (and, with
 ``include_vanilla``, the stock rules' for the rest). ``hopper=False`` tunes the portable
 mma.sync rule for every group instead, what ``get_pipeline(target, hopper=False)`` compiles.
@@ -26,6 +27,7 @@ from ..pipeline import resolve_hopper_groups, fusion_passes
 from ..transform import FuseComputeMemory, OffloadHopperAttention, OffloadHopperB2B, OffloadHopperPostNorm
 from ..transform.fuse_compute_memory import KIND_ATTR
 from ..transform.offload_hopper import taken_groups, uses_hopper
+from ..transform.offload_hopper_b2b import planned_pairs
 from ..transform.offload_hopper_elementwise import planned_groups
 from . import hopper
 
@@ -56,9 +58,9 @@ def fused_module(mod: tvm.IRModule, target: tvm.target.Target, hopper: bool | No
 def hopper_tasks(mod: tvm.IRModule, target: tvm.target.Target, hopper_groups=None) -> list[Task]:
     """A task per distinct group a Hopper kernel of ``hopper_groups`` (``get_pipeline``'s) takes
     and tuning has a space for, weighted by its groups (a model's layers share one): the
-    post-norms' ``wgmma_postnorm`` tasks, the GEMM + elementwise groups' ``wgmma_elementwise``
-    ones (as the compile will build them: after the other offloads, with the layouts their
-    tails ask for)."""
+    post-norms' ``wgmma_postnorm`` tasks, the back-to-back GEMM pairs' ``wgmma_b2b`` ones, the
+    GEMM + elementwise groups' ``wgmma_elementwise`` ones (as the compile will build them: after
+    the other offloads, with the layouts their tails ask for)."""
     groups = resolve_hopper_groups(hopper_groups)
     with target:
         grouped = FuseComputeMemory(target=target, hopper="post_norm" in groups)(mod)
@@ -74,11 +76,18 @@ def hopper_tasks(mod: tvm.IRModule, target: tvm.target.Target, hopper_groups=Non
     if "post_norm" in groups:
         for gv, func, found in taken_groups(grouped):
             add(gv.name_hint, hopper.KIND, hopper.workload(func, hopper.describe(found)))
+    noop = lambda *_: None  # noqa: E731  (rewrite the graph as the compile does, build nothing)
+    before = [OffloadHopperPostNorm(target, noop)] if "post_norm" in groups else []
+    before += [OffloadHopperAttention(target, noop)] if "attention" in groups else []
+    if "b2b" in groups:
+        with target:
+            seen = tvm.transform.Sequential(before)(grouped)
+        for first, _, spec, args, mnk, out_shape, _, pair in planned_pairs(seen):
+            func = pair()
+            if func is not None:
+                add(f"b2b_{first.name_hint}", "wgmma_b2b", hopper.workload(func, hopper.describe_b2b(spec, mnk, out_shape, len(args))))
+        before.append(OffloadHopperB2B(target, noop))  # the pairs it takes are not elementwise groups
     if "elementwise" in groups:
-        noop = lambda *_: None  # noqa: E731  (rewrite the graph as the compile does, build nothing)
-        before = [OffloadHopperPostNorm(target, noop)] if "post_norm" in groups else []
-        before += [OffloadHopperAttention(target, noop)] if "attention" in groups else []
-        before += [OffloadHopperB2B(target, noop)] if "b2b" in groups else []  # the pairs it takes are not elementwise groups
         with target:
             seen = tvm.transform.Sequential(before)(grouped)
         for gv, func, spec, roles, mnk, out_shape, _ in planned_groups(seen):
