@@ -218,6 +218,20 @@ def test_gpu_mlp_on_the_b2b_kernel(kw):
     assert (out.cpu().double() - torch.from_numpy(ref)).abs().max().item() <= TOL["float16"]
 
 
+def test_gpu_exported_pytorch_mlp_on_the_b2b_kernel():
+    """A PyTorch MLP block imported as a user imports it (ToMixedPrecision fp16, fp32 biases,
+    residual and output): with the ``b2b`` group it runs as one b2b kernel and matches the
+    PyTorch module in fp32."""
+    import tvm  # pylint: disable=import-outside-toplevel
+
+    _need_sm90(tvm)
+    mod, params, module, example = wl.mlp_encoder(batch=4, seq=1000)
+    args = [example.cuda()] + [torch.from_numpy(p).cuda() for p in params]
+    (out,), kernels = _run_on_gpu(mod, args, hopper=True, hopper_groups=("post_norm", "b2b"))
+    assert [k for k in kernels if k.startswith("comfuse_wgmma_b2b_")]
+    assert (out.cpu() - module(example).detach()).abs().max().item() <= TOL["float16"]
+
+
 #: Seeds whose case the first H200 fuzz run (200 cases, notebooks/results/fuzz-gpu-h200-2026-12-02.json)
 #: found wrong on the GPU. Three wrote rows of neighbouring thread blocks (3-D rows read through
 #: ``r -> (r // S, r % S)``): the rule now rejects such schedules and DLight takes them. The

@@ -17,6 +17,7 @@ from tvm_comfuse import workloads as wl
 from tvm_comfuse.schedule import wgmma_b2b as wb
 from tvm_comfuse.schedule import wgmma_mainloop as wm
 from tvm_comfuse.transform import FuseComputeMemory, OffloadHopperB2B, OffloadHopperElementwise
+from tvm_comfuse.transform.offload_hopper_b2b import planned_pairs
 
 SM90A = {"kind": "cuda", "arch": "sm_90a"}
 
@@ -33,7 +34,8 @@ def _numpy_kernels(calls):
     def build(_func, symbol, spec, _mnk):
         def run(*args):
             ins = [a.numpy() for a in args[:-1]]
-            args[-1].copyfrom(wb.reference(spec, *ins) if isinstance(spec, wb.B2B) else we.reference(spec, *ins))
+            out = wb.reference(spec, *ins) if isinstance(spec, wb.B2B) else we.reference(spec, *ins)
+            args[-1].copyfrom(out.reshape(args[-1].shape))  # the b2b kernel's output rows may be grouped as the graph's
             calls.append(symbol)
 
         tvm.register_global_func(symbol, run, override=True)
@@ -196,3 +198,44 @@ def test_rewrite_agrees_with_vanilla_on_the_fuzz_family():
         b2b = any(c.startswith("comfuse_wgmma_b2b_") for c in calls)
         taken, apart = taken + b2b, apart + (not b2b)
     assert taken >= 30 and apart >= 2
+
+
+@pytest.mark.parametrize("residual", [True, False])
+def test_an_exported_pytorch_mlp_is_one_kernel(residual):
+    """A PyTorch MLP block as ``torch.export`` and TVM's frontend import it (3-D rows regrouped
+    around each linear, ToMixedPrecision's fp32 biases, GELU, residual and output): the rows'
+    reshapes between the halves are looked through, the fp32 output is the kernel's own (staged in
+    fp32), and the block gives vanilla TVM's values with the kernel's NumPy model in its place."""
+    mod, params, module, example = wl.mlp_encoder(residual=residual)
+    with tvm.target.Target(SM90A):
+        grouped = FuseComputeMemory(target=SM90A, hopper=True)(mod)
+    calls = []
+    build = _numpy_kernels(calls)
+    offloaded = OffloadHopperElementwise("llvm", build=build)(OffloadHopperB2B("llvm", build=build)(grouped))
+    script = offloaded["main"].script()
+    assert script.count("R.call_dps_packed") == 1 and 'out_ty=R.Tensor((2, 100, 256), dtype="float32")' in script
+    arrays = [example.numpy(), *params]
+    (got,), (want,) = _run_llvm(offloaded, arrays), _run_llvm(mod, arrays)
+    assert len(calls) == 1 and calls[0].startswith("comfuse_wgmma_b2b_") and np.abs(got - want).max() <= 5e-2
+    assert np.abs(got - module(example).detach().numpy()).max() <= 5e-2
+
+
+def test_the_exported_mlp_compiles_for_sm90a_as_one_kernel():
+    """The exported block (weights bound, as a deployment compiles it) on sm_90a with the b2b
+    group: one launch besides the input's cast, its code free of spills and accumulator hazards."""
+    from tvm_comfuse import PASS_CONFIG, pipeline  # pylint: disable=import-outside-toplevel
+
+    mod, params, _module, _example = wl.mlp_encoder(batch=4, seq=1000)
+    names = [p.name for p in mod["main"].params[1:]]
+    mod = relax.transform.BindParams("main", dict(zip(names, map(tvm.runtime.tensor, params))))(mod)
+    with tvm.transform.PassContext(opt_level=3, config=PASS_CONFIG):
+        lowered = pipeline.get_pipeline(SM90A, hopper_groups=("post_norm", "b2b"))(mod)
+    launched = codegen.launches(lowered)
+    assert len(launched) == 2 and launched[1].startswith("comfuse_wgmma_b2b_"), launched  # the input's cast, the MLP
+    with tvm.target.Target(SM90A):
+        grouped = FuseComputeMemory(target=SM90A, hopper=True)(mod)
+    ((_, _, spec, _, mnk, leads, _, _),) = planned_pairs(grouped)
+    assert spec.out_dtype == "float32" and leads == ((4, 1000), (4, 1000))
+    source = codegen.cuda_source(wm.build(wb.wgmma_b2b(*mnk, spec, None, *leads)))
+    assert codegen.ptxas_usage(source)["spill"] == 0
+    assert codegen.wgmma_hazards(codegen.sass(codegen.compile_with_nvcc(source, "sm_90a"))) == []

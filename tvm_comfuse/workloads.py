@@ -247,7 +247,6 @@ def bert_encoder(
     """
     import torch  # pylint: disable=import-outside-toplevel
     from transformers import BertConfig, BertModel  # pylint: disable=import-outside-toplevel
-    from tvm.relax.frontend.torch import from_exported_program  # pylint: disable=import-outside-toplevel
 
     torch.manual_seed(seed)
     config = BertConfig(
@@ -270,7 +269,15 @@ def bert_encoder(
             return self.encoder(hidden_states)[0]
 
     module = Encoder(model).eval()
-    example = torch.randn(batch, seq, hidden)
+    return _imported(module, torch.randn(batch, seq, hidden), dtype)
+
+
+def _imported(module, example, dtype: str):
+    """``(mod, params, module, example)``: ``module`` exported with ``torch.export`` on
+    ``example`` and imported with TVM's PyTorch frontend, computing in ``dtype``."""
+    import torch  # pylint: disable=import-outside-toplevel
+    from tvm.relax.frontend.torch import from_exported_program  # pylint: disable=import-outside-toplevel
+
     with torch.no_grad():
         exported = torch.export.export(module, (example,))
     mod = from_exported_program(exported, keep_params_as_input=True)
@@ -281,3 +288,26 @@ def bert_encoder(
         mod = relax.transform.ToMixedPrecision(out_dtype=dtype)(mod)
     mod, params = relax.frontend.detach_params(mod)
     return mod, [p.numpy() for p in params["main"]], module, example
+
+
+def mlp_encoder(batch: int = 2, seq: int = 100, width: int = 256, intermediate: int = 128, act: str = "gelu",
+                residual: bool = True, dtype: str = "float16", seed: int = 0):
+    """A PyTorch MLP block, ``fc2(act(fc1(x))) (+ x)`` on ``[batch, seq, width]`` (random weights),
+    exported and imported as :func:`bert_encoder` is: what the back-to-back GEMM pass meets in
+    a real model (3-D rows regrouped around each linear, fp32 biases and residual under mixed
+    precision). Returns ``(mod, params, torch_module, example_input)``."""
+    import torch  # pylint: disable=import-outside-toplevel
+
+    torch.manual_seed(seed)
+    fc1, fc2, fn = torch.nn.Linear(width, intermediate), torch.nn.Linear(intermediate, width), getattr(torch.nn.functional, act)
+
+    class MLP(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = fc1, fc2
+
+        def forward(self, x):
+            y = self.fc2(fn(self.fc1(x)))
+            return y + x if residual else y
+
+    return _imported(MLP().eval(), torch.randn(batch, seq, width), dtype)

@@ -43,18 +43,21 @@ from .wgmma_elementwise import Elementwise, epilogue_value
 from .wgmma_elementwise import reference as elementwise_reference
 from .wgmma_mainloop import (_PTX_TYPE, CONSUMER_BARRIER, SMEM_LIMIT, TMA_LOAD, Ring, WgmmaConfig, box_rows, fragment,
                              mainloop, roles, tensor_map)
-from .wgmma_postnorm import BOX_COLS, SM_COUNT, TMA_STORE
+from .wgmma_postnorm import SM_COUNT, TMA_STORE
 
 #: Widths of the intermediate the kernel takes: a 64-row slab of it in one warpgroup's registers.
 INTERMEDIATE = (64, 128, 192, 256)
+#: Output dtypes: what the staging buffers hold (a 128-byte swizzled row: 64 or 32 columns a box).
+OUT_DTYPES = ("float16", "bfloat16", "float32")
 
 
 @dataclass(frozen=True)
 class B2B:
     """The fused pair: ``out = second(first(x @ w1.T) @ w2.T)``, each half a GEMM + elementwise
     chain (:class:`~.wgmma_elementwise.Elementwise`, no layout). ``first`` ends in ``dtype`` (the
-    intermediate as the graph rounds it, the second GEMM's input); ``second`` ends in a 16-bit
-    ``out_dtype``, what the TMA stores write."""
+    intermediate as the graph rounds it, the second GEMM's input); ``second`` ends in
+    ``out_dtype`` (16-bit, or float32 as a mixed-precision graph returns it), what the staging
+    buffers hold and the TMA stores write."""
 
     first: Elementwise = Elementwise("float16", (Step("cast", "float16"), Step("add", "float16", 0), Step("gelu", "float16")),
                                      (("float16", False),), "float16")
@@ -87,26 +90,25 @@ class B2B:
             found.append("an output layout (the intermediate and the output are row-major [M, N])")
         if self.first.out_dtype != self.dtype or self.second.dtype != self.dtype:
             found.append(f"an intermediate in {self.first.out_dtype} (the second GEMM takes {self.dtype}, as the first does)")
-        if self.out_dtype not in _PTX_TYPE:
-            found.append(f"output dtype {self.out_dtype} (16-bit: {sorted(_PTX_TYPE)})")
-        elif self.out_dtype != self.dtype:
-            found.append(f"output dtype {self.out_dtype} with {self.dtype} inputs (the staging buffers are the inputs' dtype)")
+        if self.out_dtype not in OUT_DTYPES:
+            found.append(f"output dtype {self.out_dtype} (one of {OUT_DTYPES})")
         return found
 
 
-def reference(spec: B2B, x, w1, *rest):
-    """NumPy model of the kernel (``rest``: the first chain's operands, ``w2``, the second's):
-    the oracle the offload's CPU tests run in the kernel's place."""
+def reference(spec: B2B, x, w1, *rest, out_lead=None):
+    """NumPy model of the kernel (``rest``: the first chain's operands, ``w2``, the second's;
+    the output's row dims ``out_lead``, default x's): the oracle the offload's CPU tests run in
+    the kernel's place."""
     n1 = len(spec.first.operands)
-    h = elementwise_reference(spec.first, np.asarray(x).reshape(-1, x.shape[-1]), w1, *[_rows(p, x) for p in rest[:n1]])
-    out = elementwise_reference(spec.second, h, rest[n1], *[_rows(p, x) for p in rest[n1 + 1:]])
-    return out.reshape(*x.shape[:-1], out.shape[-1])
+    h = elementwise_reference(spec.first, np.asarray(x).reshape(-1, x.shape[-1]), w1, *[_rows(p) for p in rest[:n1]])
+    out = elementwise_reference(spec.second, h, rest[n1], *[_rows(p) for p in rest[n1 + 1:]])
+    return out.reshape(*(out_lead or x.shape[:-1]), out.shape[-1])
 
 
-def _rows(p, x):
+def _rows(p):
     """An operand as the 2-D kernel reads it: a tile ``[*rows, N]`` as ``[M, N]``, a vector as it is."""
     p = np.asarray(p)
-    return p.reshape(-1, p.shape[-1]) if p.ndim > 1 and x.ndim > 2 else p
+    return p.reshape(-1, p.shape[-1]) if p.ndim > 1 else p
 
 
 @dataclass(frozen=True)
@@ -134,13 +136,13 @@ class B2BConfig:
     def ring2_bytes(self) -> int:
         return self.stages2 * self.bn2 * 64 * 2
 
-    def staging_bytes(self) -> int:
-        return 2 * self.bm * self.bn2 * 2
+    def staging_bytes(self, out_dtype: str = "float16") -> int:
+        return 2 * self.bm * self.bn2 * _size(out_dtype)
 
-    def smem_bytes(self, n1: int) -> int:
-        return self.phase1(n1).smem_bytes + self.ring2_bytes() + self.staging_bytes()
+    def smem_bytes(self, n1: int, out_dtype: str = "float16") -> int:
+        return self.phase1(n1).smem_bytes + self.ring2_bytes() + self.staging_bytes(out_dtype)
 
-    def problems(self, m: int, n1: int, n2: int, k: int, dtype: str) -> list:
+    def problems(self, m: int, n1: int, n2: int, k: int, dtype: str, out_dtype: str = "float16") -> list:
         """What keeps this configuration from these shapes (empty if nothing)."""
         found = []
         if n1 not in INTERMEDIATE:
@@ -151,22 +153,28 @@ class B2BConfig:
             found.append(f"stages2 = {self.stages2} (at least 2: the next w2 chunk loads while one is read)")
         if self.bm not in (64, 128):
             found.append(f"bm = {self.bm} (64 or 128: the registers of more row warpgroups do not hold both GEMMs' tiles)")
-        if n1 in INTERMEDIATE and self.smem_bytes(n1) > SMEM_LIMIT:
-            found.append(f"{self.smem_bytes(n1) // 1024} KiB of shared memory (at most {SMEM_LIMIT // 1024}: fewer stages, a smaller bk or bn2)")
+        if n1 in INTERMEDIATE and self.smem_bytes(n1, out_dtype) > SMEM_LIMIT:
+            found.append(f"{self.smem_bytes(n1, out_dtype) // 1024} KiB of shared memory (at most {SMEM_LIMIT // 1024}: fewer stages, "
+                         "a smaller bk or bn2)")
         p1 = self.phase1(n1 if n1 in INTERMEDIATE else 64)
         found += [p for p in p1.problems(-(-m // self.bm) * self.bm, p1.bn, k, dtype) if "shared memory" not in p]
         return found
 
 
-def default_config(m: int, n1: int, n2: int, k: int, dtype: str = "float16") -> B2BConfig | None:
+def _size(dtype: str) -> int:
+    return tvm.DataType(dtype).bits // 8
+
+
+def default_config(m: int, n1: int, n2: int, k: int, dtype: str = "float16", out_dtype: str = "float16") -> B2BConfig | None:
     """128-row blocks (two consumer warpgroups share each w1 and w2 tile: measured faster than 64
-    rows at every N1 in session 8), the widest ``bn2`` dividing N2, two ``w2`` stages, and the
-    deepest GEMM 1 ring (up to 4 steps of 64, else of 32) that fits beside them; None if none does."""
-    bn2 = 128 if n2 % 128 == 0 else 64
+    rows at every N1 in session 8), the widest ``bn2`` dividing N2 (64 for a float32 output:
+    its staging buffers would take 128 KiB at 128), two ``w2`` stages, and the deepest GEMM 1
+    ring (up to 4 steps of 64, else of 32) that fits beside them; None if none does."""
+    bn2 = 128 if n2 % 128 == 0 and _size(out_dtype) == 2 else 64
     for bk in (64, 32):
         for stages in (4, 3, 2):
             cfg = B2BConfig(128, stages, bk, bn2, 2, n1 <= 128)
-            if not cfg.problems(m, n1, n2, k, dtype):
+            if not cfg.problems(m, n1, n2, k, dtype, out_dtype):
                 return cfg
     return None
 
@@ -177,11 +185,12 @@ def problems(m: int, n1: int, n2: int, k: int, spec: B2B, cfg: B2BConfig | None 
     found = spec.problems()
     if not all(isinstance(d, int) for d in (m, n1, n2, k)):
         return found + ["symbolic shapes (static only)"]
-    cfg = cfg or default_config(m, n1, n2, k, spec.dtype)
+    out_dtype = spec.out_dtype if spec.out_dtype in OUT_DTYPES else "float16"
+    cfg = cfg or default_config(m, n1, n2, k, spec.dtype, out_dtype)
     if cfg is None:
-        return found + (B2BConfig(bk=32, stages=2, bn2=64).problems(m, n1, n2, k, spec.dtype)
+        return found + (B2BConfig(bk=32, stages=2, bn2=64).problems(m, n1, n2, k, spec.dtype, out_dtype)
                         or [f"M, N1, N2, K = {m}, {n1}, {n2}, {k}: no configuration fits"])
-    return found + cfg.problems(m, n1, n2, k, spec.dtype)
+    return found + cfg.problems(m, n1, n2, k, spec.dtype, out_dtype)
 
 
 def _intermediate(spec: B2B) -> Elementwise:
@@ -193,21 +202,24 @@ def _intermediate(spec: B2B) -> Elementwise:
     return dataclasses.replace(spec.first, steps=steps, out_dtype="float32")
 
 
-def wgmma_b2b(m: int, n1: int, n2: int, k: int, spec: B2B = B2B(), cfg: B2BConfig | None = None, lead=None):
+def wgmma_b2b(m: int, n1: int, n2: int, k: int, spec: B2B = B2B(), cfg: B2BConfig | None = None, lead=None, out_lead=None):
     """The fused kernel, a tirx PrimFunc for sm_90a with parameters ``(x[*lead, k], w1[n1, k],
-    the first chain's operands, w2[n2, n1], the second chain's operands, out[*lead, n2])``
-    (operands: ``[n]`` vectors or ``[*lead, n]`` tiles); ``lead`` are the row dimensions
-    (``(m,)`` by default; ``(B, S)`` for 3-D activations, read as ``B * S`` rows in place).
-    fp32 accumulation in both GEMMs."""
+    the first chain's operands, w2[n2, n1], the second chain's operands, out[*out_lead, n2])``
+    (operands: ``[n]`` vectors, or tiles ``[*lead, n1]`` in the first chain and ``[*out_lead,
+    n2]`` in the second); ``lead`` are the row dimensions (``(m,)`` by default; ``(B, S)`` for
+    3-D activations, read as ``B * S`` rows in place), ``out_lead`` the output's (default
+    ``lead``: a graph may reshape the rows between the GEMMs). fp32 accumulation in both GEMMs."""
     found = problems(m, n1, n2, k, spec, cfg)
     if found:
         raise ComFuseError("wgmma b2b cannot take " + "; ".join(found))
-    cfg = cfg or default_config(m, n1, n2, k, spec.dtype)
+    cfg = cfg or default_config(m, n1, n2, k, spec.dtype, spec.out_dtype)
     lead = tuple(lead or (m,))
-    if math.prod(lead) != m:
-        raise ComFuseError(f"wgmma b2b: row dimensions {lead} do not multiply to M = {m}")
-    c1, dtype = cfg.phase1(n1), spec.dtype
-    bm, bn2, st2, kt, chunks, tiles, boxes = cfg.bm, cfg.bn2, cfg.stages2, k // cfg.bk, n1 // 64, n2 // cfg.bn2, cfg.bn2 // BOX_COLS
+    out_lead = tuple(out_lead or lead)
+    if math.prod(lead) != m or math.prod(out_lead) != m:
+        raise ComFuseError(f"wgmma b2b: row dimensions {lead} and {out_lead} do not both multiply to M = {m}")
+    c1, dtype, odt = cfg.phase1(n1), spec.dtype, spec.out_dtype
+    box, chunk = 128 // _size(odt), 16 // _size(odt)  # a staged box's columns (a 128-byte row) and a 16-byte chunk's
+    bm, bn2, st2, kt, chunks, tiles, boxes = cfg.bm, cfg.bn2, cfg.stages2, k // cfg.bk, n1 // 64, n2 // cfg.bn2, cfg.bn2 // box
     blocks = -(-m // bm)
     grid = min(blocks, SM_COUNT) if cfg.persistent else blocks
     produce, consume = mainloop(c1, k, dtype)
@@ -216,11 +228,12 @@ def wgmma_b2b(m: int, n1: int, n2: int, k: int, spec: B2B = B2B(), cfg: B2BConfi
     acquire2, wait2, release2 = ring2.acquire(), ring2.wait(), ring2.release()
     producer, consumer = roles(c1)
     maps = {"x": tensor_map(m, k, box_rows(bm), cfg.bk, dtype), "w1": tensor_map(n1, k, box_rows(n1), cfg.bk, dtype),
-            "w2": tensor_map(n2, n1, bn2, 64, dtype), "out": tensor_map(m, n2, 64, BOX_COLS, dtype)}
+            "w2": tensor_map(n2, n1, bn2, 64, dtype), "out": tensor_map(m, n2, 64, box, odt)}
     t = _PTX_TYPE[dtype]
     mma2, pack = f"wgmma.mma_async.sync.aligned.m64n{bn2}k16.f32.{t}.{t}", f"cvt.rn.{t}x2.f32"
     first = _intermediate(spec)
     ring1_elems, ring2_elems = c1.smem_bytes // 2, cfg.ring2_bytes() // 2
+    staged_at = (c1.smem_bytes + cfg.ring2_bytes()) // _size(odt)  # the staging buffers' offset, in output elements
 
     def clamp(row):  # a tile operand's row past M (the last block's TMA zeros): read row M - 1, not stored
         return T.min(row, m - 1) if m % bm else row
@@ -261,13 +274,13 @@ def wgmma_b2b(m: int, n1: int, n2: int, k: int, spec: B2B = B2B(), cfg: B2BConfi
         for q in T.unroll(bn2 // 4):  # accumulators 2q, 2q + 1: one row's adjacent columns
             for v in T.vectorized(2):
                 lrow, lcol = T.meta_var(fragment(tw, 2 * q + v))
-                O[buf, cw, lcol // BOX_COLS, lrow, (lcol % BOX_COLS // 8 ^ lrow % 8) * 8 + lcol % 8] = epilogue_value(
+                O[buf, cw, lcol // box, lrow, (lcol % box // chunk ^ lrow % 8) * chunk + lcol % chunk] = epilogue_value(
                     spec.second, P2, acc2[2 * q + v], clamp(row0 + lrow), tile * bn2 + lcol)
         T.ptx["fence.proxy.async.shared::cta"]()
         T.ptx["bar.sync"](T.uint32(CONSUMER_BARRIER) + T.cast(cw, "uint32"), 128)
         if tw == 0:
             for b in T.unroll(boxes):
-                T.ptx[TMA_STORE](T.address_of(out_map), tile * bn2 + b * BOX_COLS, row0, O.ptr_to([buf, cw, b, 0, 0]))
+                T.ptx[TMA_STORE](T.address_of(out_map), tile * bn2 + b * box, row0, O.ptr_to([buf, cw, b, 0, 0]))
             T.ptx["cp.async.bulk.commit_group"]()
 
     @T.macro
@@ -276,11 +289,10 @@ def wgmma_b2b(m: int, n1: int, n2: int, k: int, spec: B2B = B2B(), cfg: B2BConfi
         wg = T.warpgroup_id([c1.consumers + 1])
         tw = T.thread_id_in_wg([128])
         # one dynamic buffer (tirx allows one): GEMM 1's ring, w2's ring, the two staging buffers
-        flat = T.alloc_shared([ring1_elems + ring2_elems + cfg.staging_bytes() // 2], dtype, scope="shared.dyn", align=1024)
+        flat = T.alloc_shared([ring1_elems + ring2_elems + cfg.staging_bytes(odt) // 2], dtype, scope="shared.dyn", align=1024)
         S1 = T.decl_buffer([c1.stages, bm + n1, cfg.bk], dtype, data=flat.data, scope="shared.dyn")
         S2 = T.decl_buffer([st2, bn2, 64], dtype, data=flat.data, elem_offset=ring1_elems, scope="shared.dyn")
-        O = T.decl_buffer([2, bm // 64, boxes, 64, BOX_COLS], dtype, data=flat.data, elem_offset=ring1_elems + ring2_elems,
-                          scope="shared.dyn")
+        O = T.decl_buffer([2, bm // 64, boxes, 64, box], odt, data=flat.data, elem_offset=staged_at, scope="shared.dyn")
         full = T.alloc_shared([c1.stages], "uint64", scope="shared", align=8)
         empty = T.alloc_shared([c1.stages], "uint64", scope="shared", align=8)
         full2 = T.alloc_shared([st2], "uint64", scope="shared", align=8)
@@ -325,11 +337,11 @@ def wgmma_b2b(m: int, n1: int, n2: int, k: int, spec: B2B = B2B(), cfg: B2BConfi
                 T.ptx["cp.async.bulk.wait_group.read"](0)  # the staging buffers outlive the stores' reads
 
     # the parameter list depends on the operands: the signature is generated, the body is the macro above
-    def operands(prefix, half, n):
-        return [(f"{prefix}{j}", (*lead, n) if tile else (n,), d, (m, n) if tile else None) for j, (d, tile) in enumerate(half.operands)]
+    def operands(prefix, half, n, rows):
+        return [(f"{prefix}{j}", (*rows, n) if tile else (n,), d, (m, n) if tile else None) for j, (d, tile) in enumerate(half.operands)]
 
-    signature = [("x", (*lead, k), dtype, (m, k)), ("w1", (n1, k), dtype, None), *operands("p", spec.first, n1),
-                 ("w2", (n2, n1), dtype, None), *operands("q", spec.second, n2), ("out", (*lead, n2), spec.out_dtype, (m, n2))]
+    signature = [("x", (*lead, k), dtype, (m, k)), ("w1", (n1, k), dtype, None), *operands("p", spec.first, n1, lead),
+                 ("w2", (n2, n1), dtype, None), *operands("q", spec.second, n2, out_lead), ("out", (*out_lead, n2), odt, (m, n2))]
     lines = [f"def b2b_gemm({', '.join(f'{p}_h: T.handle' for p, *_ in signature)}):"]
     lines += [f"    {p}_p = T.match_buffer({p}_h, {shp}, {dt!r}, align=16)" for p, shp, dt, _ in signature]
     lines += [f"    {p}_map: T.let[T.handle('tensormap')] = T.tvm_stack_alloca('tensormap', 1)" for p in maps]

@@ -194,14 +194,16 @@ def box_rows(rows: int) -> int:
 
 def tensor_map(rows: int, cols: int, box: int, bk: int, dtype: str):
     """The tirx macro ``encode(tmap, data)``: host code that fills ``tmap`` with the CUtensorMap
-    of the row-major ``[rows, cols]`` matrix at ``data``, boxes of ``box`` rows x ``bk`` columns,
-    in the ring's swizzle."""
+    of the row-major ``[rows, cols]`` matrix of ``dtype`` at ``data``, boxes of ``box`` rows x
+    ``bk`` columns (a 64- or 128-byte row), swizzled as the ring's 16-bit rows of that width are."""
+    size = tvm.DataType(dtype).bits // 8
+    swizzle = _SWIZZLE[bk * size // 2]
 
     # pylint: disable=invalid-name
     @T.macro
     def encode(tmap, data):
-        T.tensormap_encode_tiled(tmap, data, cols, rows, cols * 2, bk, box, 1, 1, descriptor_dtype=dtype, rank=2,
-                                 interleave=0, swizzle=_SWIZZLE[bk], l2_promotion=2, oob_fill=0)
+        T.tensormap_encode_tiled(tmap, data, cols, rows, cols * size, bk, box, 1, 1, descriptor_dtype=dtype, rank=2,
+                                 interleave=0, swizzle=swizzle, l2_promotion=2, oob_fill=0)
 
     return encode
 

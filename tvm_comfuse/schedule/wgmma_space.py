@@ -72,7 +72,7 @@ def b2b_configs(m: int, n1: int, n2: int, k: int, spec: wb.B2B) -> list[wb.B2BCo
     """The back-to-back kernel's configurations for the pair: rows a block, GEMM 1's ring depth
     and K step, the output tile and w2's ring depth, persistent CTAs or not; the untuned default
     first (none where the kernel cannot take the pair)."""
-    default = wb.default_config(m, n1, n2, k, spec.dtype)
+    default = wb.default_config(m, n1, n2, k, spec.dtype, spec.out_dtype)
     if default is None or wb.problems(m, n1, n2, k, spec, default):
         return []
     found = [default]

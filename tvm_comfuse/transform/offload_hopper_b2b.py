@@ -8,7 +8,8 @@ own). FuseComputeMemory outlines an MLP ``act(x @ w1.T + b1) @ w2.T + b2 (+ r)``
     out = second(w2, lv, b2, ...)   # matmul(lv, permute_dims(w2)) -> cast, adds
 
 (or, with nothing after the second GEMM, a plain ``matmul(lv, permute_dims(w2))`` in the
-caller). Where ``lv`` has no other reader, each half reads as an
+caller; reshapes that only regroup ``lv``'s rows, as PyTorch exports put around each linear of
+3-D activations, are looked through). Where ``lv`` has no other reader, each half reads as an
 :class:`~tvm_comfuse.schedule.wgmma_elementwise.Elementwise` chain, and the pair fits the
 kernel (:mod:`tvm_comfuse.schedule.wgmma_b2b`: an intermediate ``N1`` of 64 to 256, which is
 the on-chip budget: one 64-row slab of it in a warpgroup's registers), both calls become one
@@ -69,8 +70,8 @@ def _plain_gemm(value, var2val, mid):
 
 def pair_function(mod: tvm.IRModule, first: relax.Call, mid: relax.Var, second: relax.Call, args: list) -> relax.Function | None:
     """The pair as one Relax function of the kernel's arguments (fresh parameters, typed as
-    ``args``): the outlined groups' bodies inlined, ``first``'s result (bound to ``mid`` in the
-    caller) feeding ``second`` (a group call, or the plain ``matmul(mid, permute_dims(w2))``),
+    ``args``): the outlined groups' bodies inlined, ``first``'s result (``mid`` in the caller,
+    maybe after row reshapes) feeding ``second`` (a group call, or the plain ``matmul(mid, permute_dims(w2))``),
     marked primitive, so LegalizeOps and FuseTIR make it the one PrimFunc tuning takes as the
     pair's workload (:mod:`tvm_comfuse.tune.hopper`). None where a group reads something that is
     not among ``args``."""
@@ -90,6 +91,8 @@ def pair_function(mod: tvm.IRModule, first: relax.Call, mid: relax.Var, second: 
     with bb.function("pair", params):
         with bb.dataflow():
             h = bb.emit(relax.Call(group(first, "first"), [sub[a] for a in first.args]))
+            if _sinfo(h)[0] != _sinfo(mid)[0]:  # rows regrouped between the halves
+                h = bb.emit(relax.op.reshape(h, _sinfo(mid)[0]))
             if isinstance(second.op, relax.GlobalVar):
                 out = bb.emit_output(relax.Call(group(second, "second"), [h if a.same_as(mid) else sub[a] for a in second.args]))
             else:  # a plain second GEMM: w2 is the kernel's last argument
@@ -98,13 +101,30 @@ def pair_function(mod: tvm.IRModule, first: relax.Call, mid: relax.Var, second: 
     return relax.transform.InlinePrivateFunctions()(bb.get())["pair"].with_attr("Primitive", True).without_attr("global_symbol")
 
 
+def _row_reshapes(var, n1: int, users: dict, var2val: dict) -> list:
+    """The reshapes that alone carry ``var`` (``[*rows, N1]``) on, each the only reader of the
+    one before and keeping the last dim (rows regrouped: what PyTorch's linear exports put
+    between 3-D activations and its 2-D GEMM), in order; the kernel reads rows flat, so they cost
+    nothing there."""
+    chain = []
+    while True:
+        nxt = users.get(var, [])
+        val = var2val.get(nxt[0]) if len(nxt) == 1 and isinstance(nxt[0], relax.DataflowVar) else None
+        shape = _sinfo(nxt[0])[0] if val is not None else None
+        if val is None or ops.op_name(val) != ops.RESHAPE or not val.args[0].same_as(var) or shape is None or shape[-1] != n1:
+            return chain
+        chain.append(nxt[0])
+        var = nxt[0]
+
+
 def planned_pairs(mod: tvm.IRModule):
     """Each pair the kernel takes, as ``(first group's global var, second call's var, spec, args, (M,
-    N1, N2, K), out_shape, dropped vars, pair)``: ``args`` the kernel's arguments (x, w1, the
-    first chain's operands, w2, the second's), ``dropped`` the bindings the fused call replaces
-    besides the second call (the first call, a plain second GEMM's transpose), ``pair()`` the
-    pair as one function (:func:`pair_function`, what tuning sees). Pairs the kernel cannot take
-    are logged with the reason."""
+    N1, N2, K), (x's rows, the output's rows), dropped vars, pair)``: ``args`` the kernel's
+    arguments (x, w1, the first chain's operands, w2, the second's), ``dropped`` the bindings
+    the fused call replaces besides the second call (the first call, row reshapes between the
+    halves, a plain second GEMM's transpose), ``pair()`` the pair as one function
+    (:func:`pair_function`, what tuning sees). Pairs the kernel cannot take are logged with the
+    reason."""
     from ..schedule import wgmma_b2b as wb  # pylint: disable=import-outside-toplevel
     from ..schedule.wgmma_elementwise import Elementwise  # pylint: disable=import-outside-toplevel
 
@@ -113,19 +133,23 @@ def planned_pairs(mod: tvm.IRModule):
         users = users_of(block, func.body.body)
         for b in block.bindings:
             first = _group(mod, b.value)
-            nxt = users.get(b.var, [])
-            if first is None or len(nxt) != 1 or not isinstance(nxt[0], relax.DataflowVar):
+            if first is None:
                 continue
             gv1, _, (spec1, roles1, (m, n1, k), out1) = first
-            use, dropped = var2val[nxt[0]], [b.var]
+            dropped = [b.var, *_row_reshapes(b.var, n1, users, var2val)]
+            mid = dropped[-1]  # what the second GEMM reads
+            nxt = users.get(mid, [])
+            if len(nxt) != 1 or not isinstance(nxt[0], relax.DataflowVar):
+                continue
+            use = var2val[nxt[0]]
             second = _group(mod, use)
             if second is not None:
                 gv2, _, (spec2, roles2, (m2, n2, k2), out_shape) = second
-                if not use.args[roles2[0]].same_as(b.var) or sum(a.same_as(b.var) for a in use.args) != 1:
+                if not use.args[roles2[0]].same_as(mid) or sum(a.same_as(mid) for a in use.args) != 1:
                     continue
                 w2_ops = [use.args[i] for i in roles2[1:]]
             else:
-                plain = _plain_gemm(use, var2val, b.var)
+                plain = _plain_gemm(use, var2val, mid)
                 if plain is None:
                     continue
                 w2, wt = plain
@@ -139,8 +163,8 @@ def planned_pairs(mod: tvm.IRModule):
                          getattr(gv2, "name_hint", gv2), "; ".join(why))
                 continue
             args = [b.value.args[i] for i in roles1] + w2_ops
-            pair = lambda first=b.value, mid=b.var, use=use, args=args: pair_function(mod, first, mid, use, args)  # noqa: E731
-            yield gv1, nxt[0], spec, args, (m, n1, n2, k), out_shape, dropped, pair
+            pair = lambda first=b.value, mid=mid, use=use, args=args: pair_function(mod, first, mid, use, args)  # noqa: E731
+            yield gv1, nxt[0], spec, args, (m, n1, n2, k), (tuple(out1[:-1]), tuple(out_shape[:-1])), dropped, pair
 
 
 @mutator
@@ -177,14 +201,14 @@ class OffloadHopperB2B(HopperOffload):  # pylint: disable=too-few-public-methods
         super().__init__(target, build)
         self.database = database
 
-    def _config(self, spec, mnk, out_shape, args, pair):
+    def _config(self, spec, mnk, leads, args, pair):
         if self.database is None:
             return None
         from ..tune import hopper  # pylint: disable=import-outside-toplevel  (tune imports the pipeline)
 
         func = pair()
         return None if func is None else hopper.tuned_config(self.database, hopper.workload(func, hopper.describe_b2b(
-            spec, mnk, out_shape, len(args))))
+            spec, mnk, leads, len(args))))
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         """Build each pair's kernel, rewrite the caller, drop the group functions left uncalled."""
@@ -194,12 +218,11 @@ class OffloadHopperB2B(HopperOffload):  # pylint: disable=too-few-public-methods
         if build is None:
             return mod
         plans, dropped, kernels, tuned = {}, set(), Kernels(build, "comfuse_wgmma_b2b"), 0
-        for _, second, spec, args, mnk, out_shape, gone, pair in planned_pairs(mod):
-            cfg = self._config(spec, mnk, out_shape, args, pair)
+        for _, second, spec, args, mnk, leads, gone, pair in planned_pairs(mod):
+            cfg = self._config(spec, mnk, leads, args, pair)
             tuned += cfg is not None
-            symbol = kernels.symbol((spec, mnk, tuple(out_shape), cfg), "",
-                                    lambda: wb.wgmma_b2b(*mnk, spec, cfg, lead=out_shape[:-1]), spec, mnk)  # noqa: B023
-            plans[second] = (symbol, args, out_shape, spec.out_dtype)
+            symbol = kernels.symbol((spec, mnk, leads, cfg), "", lambda: wb.wgmma_b2b(*mnk, spec, cfg, *leads), spec, mnk)  # noqa: B023
+            plans[second] = (symbol, args, [*leads[1], mnk[2]], spec.out_dtype)
             dropped.update(gone)
         if not plans:
             return mod

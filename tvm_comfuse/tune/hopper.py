@@ -88,7 +88,9 @@ FAMILIES = {
     "elementwise": Family("wgmma_elementwise", ("out",), _elementwise_spec,
                           lambda m, n, k, spec, cfg, lead: we.wgmma_elementwise(m, n, k, spec, cfg, lead=lead), elementwise_configs,
                           we.problems),
-    "b2b": Family("wgmma_b2b", ("out",), _b2b_spec, lambda m, n1, n2, k, spec, cfg, lead: wb.wgmma_b2b(m, n1, n2, k, spec, cfg, lead),
+    # its lead is a pair: x's row dims and the output's
+    "b2b": Family("wgmma_b2b", ("out",), _b2b_spec,
+                  lambda m, n1, n2, k, spec, cfg, lead: wb.wgmma_b2b(m, n1, n2, k, spec, cfg, *(tuple(d) for d in lead)),
                   b2b_configs, wb.problems, wb.B2BConfig),
 }
 #: The task kinds of the Hopper kernels.
@@ -153,11 +155,11 @@ def describe_elementwise(spec, roles, mnk, out_shape) -> Description:
     return Description(spec, tuple(mnk), tuple(out_shape[:-1]), tuple(roles), ("out",), "elementwise")
 
 
-def describe_b2b(spec, mnk, out_shape, inputs: int) -> Description:
-    """The :class:`Description` of a back-to-back GEMM pair as the offload builds it (the
-    workload's parameters are the kernel's inputs, in its order: :func:`~tvm_comfuse.transform.
-    offload_hopper_b2b.pair_function`)."""
-    return Description(spec, tuple(mnk), tuple(out_shape[:-1]), tuple(range(inputs)), ("out",), "b2b")
+def describe_b2b(spec, mnk, leads, inputs: int) -> Description:
+    """The :class:`Description` of a back-to-back GEMM pair as the offload builds it: ``leads``
+    are x's and the output's row dims (its ``lead``), the workload's parameters the kernel's
+    inputs, in its order (:func:`~tvm_comfuse.transform.offload_hopper_b2b.pair_function`)."""
+    return Description(spec, tuple(mnk), tuple(tuple(d) for d in leads), tuple(range(inputs)), ("out",), "b2b")
 
 
 def workload(func: relax.Function, desc: Description) -> tvm.IRModule:

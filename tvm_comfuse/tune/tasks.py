@@ -82,10 +82,10 @@ def hopper_tasks(mod: tvm.IRModule, target: tvm.target.Target, hopper_groups=Non
     if "b2b" in groups:
         with target:
             seen = tvm.transform.Sequential(before)(grouped)
-        for first, _, spec, args, mnk, out_shape, _, pair in planned_pairs(seen):
+        for first, _, spec, args, mnk, leads, _, pair in planned_pairs(seen):
             func = pair()
             if func is not None:
-                add(f"b2b_{first.name_hint}", "wgmma_b2b", hopper.workload(func, hopper.describe_b2b(spec, mnk, out_shape, len(args))))
+                add(f"b2b_{first.name_hint}", "wgmma_b2b", hopper.workload(func, hopper.describe_b2b(spec, mnk, leads, len(args))))
         before.append(OffloadHopperB2B(target, noop))  # the pairs it takes are not elementwise groups
     if "elementwise" in groups:
         with target:
