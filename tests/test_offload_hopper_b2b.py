@@ -239,3 +239,32 @@ def test_the_exported_mlp_compiles_for_sm90a_as_one_kernel():
     source = codegen.cuda_source(wm.build(wb.wgmma_b2b(*mnk, spec, None, *leads)))
     assert codegen.ptxas_usage(source)["spill"] == 0
     assert codegen.wgmma_hazards(codegen.sass(codegen.compile_with_nvcc(source, "sm_90a"))) == []
+
+
+def _three_linears():
+    """``gelu(gelu(x @ w0.T + b0) @ w1.T + b1) @ w2.T + b2``, widths 256 -> 64 -> 128 -> 256:
+    two overlapping pair candidates (the middle GEMM ends one and starts the next)."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((200, 256), "float16"))
+    ws = [relax.Var(f"w{i}", relax.TensorType(s, "float16")) for i, s in enumerate([(64, 256), (128, 64), (256, 128)])]
+    bs = [relax.Var(f"b{i}", relax.TensorType((n,), "float16")) for i, n in enumerate([64, 128, 256])]
+    with bb.function("main", [x, *ws, *bs]):
+        with bb.dataflow():
+            h = x
+            for i in range(3):
+                h = bb.emit(relax.op.add(bb.emit(relax.op.matmul(h, bb.emit(relax.op.permute_dims(ws[i])))), bs[i]))
+                h = bb.emit(relax.op.nn.gelu(h)) if i < 2 else h
+            out = bb.emit_output(h)
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_a_chain_of_three_linears_takes_one_pair():
+    """Pairs do not overlap: the first two GEMMs become the b2b kernel, the third (whose input
+    is that kernel's output) goes to the elementwise kernel, and the graph gives vanilla TVM's
+    values (a middle GEMM taken twice would leave a variable undefined)."""
+    mod, calls = _three_linears(), []
+    offloaded = _offload(mod, calls)
+    arrays = _inputs(mod)
+    got, want = _run_llvm(offloaded, arrays), _run_llvm(mod, arrays)
+    assert [c.split("_")[2] for c in calls] == ["b2b", "ew"] and np.abs(got - want).max() <= 5e-2

@@ -118,7 +118,7 @@ def vanilla_fusion_passes():
 #: intermediate), ``elementwise`` (GEMM + elementwise chain).
 HOPPER_GROUPS = ("post_norm", "attention", "b2b", "elementwise")
 #: Those ``get_pipeline`` runs on sm_90 unless told otherwise: the measured ones (the others were
-#: written in session 14 without a GPU and stay opt-in until they have run on one).
+#: written in sessions 14 and 15 without a GPU and stay opt-in until they have run on one).
 DEFAULT_HOPPER_GROUPS = ("post_norm",)
 
 

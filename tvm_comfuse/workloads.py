@@ -2,9 +2,11 @@
 
 ``post_norm`` builds ``norm(act(x @ w + b) + r)`` in the forms models use (LayerNorm,
 RMSNorm, softmax, their decomposed versions, PyTorch's ``linear`` weight layout, 3-D
-activations). ``bert_encoder`` exports a HuggingFace BERT encoder (random weights, built
-from a config: no download) with ``torch.export`` and imports it with TVM's PyTorch
-frontend. ``SUITE`` holds the benchmark shapes measured on the H200.
+activations); ``attention`` a multi-head attention and ``mlp`` two linears around an
+activation, as PyTorch exports them. ``bert_encoder`` exports a HuggingFace BERT encoder
+(random weights, built from a config: no download) with ``torch.export`` and imports it with
+TVM's PyTorch frontend; ``mlp_encoder`` does the same for a PyTorch MLP block. ``SUITE`` holds
+the benchmark shapes measured on the H200.
 """
 
 from __future__ import annotations

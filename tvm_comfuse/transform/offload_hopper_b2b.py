@@ -131,8 +131,9 @@ def planned_pairs(mod: tvm.IRModule):
     for func, block in dataflow_blocks(mod):
         var2val = {b.var: b.value for b in block.bindings}
         users = users_of(block, func.body.body)
+        claimed = set()  # bindings a pair already takes: in a chain of three linears, the middle one is not also a first
         for b in block.bindings:
-            first = _group(mod, b.value)
+            first = _group(mod, b.value) if b.var not in claimed else None
             if first is None:
                 continue
             gv1, _, (spec1, roles1, (m, n1, k), out1) = first
@@ -163,6 +164,7 @@ def planned_pairs(mod: tvm.IRModule):
                          getattr(gv2, "name_hint", gv2), "; ".join(why))
                 continue
             args = [b.value.args[i] for i in roles1] + w2_ops
+            claimed.update([*dropped, nxt[0]])
             pair = lambda first=b.value, mid=mid, use=use, args=args: pair_function(mod, first, mid, use, args)  # noqa: E731
             yield gv1, nxt[0], spec, args, (m, n1, n2, k), (tuple(out1[:-1]), tuple(out_shape[:-1])), dropped, pair
 
