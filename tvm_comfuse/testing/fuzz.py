@@ -238,7 +238,8 @@ def generate_hopper_gemm(seed: int) -> Case:
 
 def generate_b2b(seed: int) -> Case:
     """A random MLP from ``seed``, ``x @ w.T`` -> bias, activation -> ``@ v.T`` (the ``gemm2``
-    token) -> bias, residual, compiled with the opt-in back-to-back GEMM kernel (deterministic):
+    token) -> bias (-> activation, a third linear, bias: one case in five), residual, compiled
+    with the opt-in back-to-back GEMM kernel (deterministic):
     fp16 or bf16, rows any count (2-D or batched), an intermediate the kernel holds (64 to 256)
     and an output width it tiles (multiples of 64). One case in six has what it does not (an
     intermediate of 96 or 320, an output of 100) so the two halves' fallback is fuzzed beside it."""
@@ -253,6 +254,8 @@ def generate_b2b(seed: int) -> Case:
     ops += [("act", pick(("relu", "gelu", "silu")))] if rng.random() < 0.8 else []
     ops.append(("gemm2", n2))
     ops += [("bias",)] if rng.random() < 0.7 else []
+    if rng.random() < 0.2:  # a third linear: pair candidates that overlap (the middle GEMM ends one, starts the next)
+        ops += [("act", pick(("relu", "gelu", "silu"))), ("gemm2", pick((64, 128, 256))), ("bias",)]
     ops += [("residual",)] if rng.random() < 0.3 else []
     case = Case(seed=seed, dtype=dtype, M=m, K=k, N=n1, batch=batch, linear=True, ops=tuple(ops), input_seed=seed,
                 groups=("post_norm", "b2b", "elementwise"))
