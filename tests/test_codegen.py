@@ -309,7 +309,10 @@ def test_wgmma_mainloop_compiles_to_wgmma_for_sm90a(dtype, cfg):
     assert body.count(f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.{t}.{t}") in (4, 20)
     assert "wgmma.wait_group.sync.aligned 1" in body and "mbarrier.try_wait.parity" in body
     assert "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes" in body
-    assert "cp.async.cg" not in body and body.count("bar.sync") == 1  # after the barriers' init: none in the K loop
+    # after the barriers' init, and in the epilogue: the consumers' sync once their mainloops are
+    # done (the ring then stages the output) and a warpgroup's two around its staged tile; none in the K loop
+    assert "cp.async.cg" not in body and body.count("bar.sync") == 4
+    assert "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group" in body and "st.global" not in body
     assert ("setmaxnreg.inc.sync.aligned.u32" in body) == (bm // 64 > 1)  # 384 threads: capped at 168 registers
     assert "CUtensorMap" in source and "__grid_constant__" in source
     assert codegen.compile_with_nvcc(source, "sm_90a")[:4] == b"\x7fELF"

@@ -354,22 +354,24 @@ def _chain_reference(spec, x, w, operands):
     return v
 
 
-@pytest.mark.parametrize("M, N, K, dtype, chain, cfg, lead, axes", [
-    (4096, 3072, 768, "float16", "ffn1", None, (32, 128), None),  # BERT-base's FFN1 on the default 128 x 256 tiles
-    (4096, 768, 768, "float16", "projection", None, None, None),  # its Q/K/V projections: 128 x 192, fp32 out
-    (4096, 768, 768, "float16", "projection", None, (32, 128), (0, 2, 1, 3)),  # ... written as Q and V: [B * H, S, D]
-    (4096, 768, 768, "float16", "projection", None, (32, 128), (0, 2, 3, 1)),  # ... and as K: [B * H, D, S]
-    (1024, 512, 256, "bfloat16", "silu_residual", None, None, None),
-    (256, 256, 128, "float16", "relu", (64, 128, 2, 32, 1), None, None),
-    (1024, 1024, 1024, "float16", "gelu_tanh", (256, 128, 4, 64, 1), None, None),
-    (512, 512, 512, "float16", "silu_residual", (128, 256, 3, 64, 2), (4, 128), None),  # two column warpgroups
-    (1000, 768, 768, "float16", "projection", None, (8, 125), (0, 2, 1, 3)),  # rows no tile divides, head layout
-    (100, 3072, 768, "bfloat16", "ffn1", None, None, None),
+@pytest.mark.parametrize("M, N, K, dtype, chain, cfg, lead, axes, stage", [
+    (4096, 3072, 768, "float16", "ffn1", None, (32, 128), None, None),  # BERT-base's FFN1 on the default 128 x 256 tiles
+    (4096, 768, 768, "float16", "projection", None, None, None, None),  # its Q/K/V projections: 128 x 192, fp32 out
+    (4096, 768, 768, "float16", "projection", None, (32, 128), (0, 2, 1, 3), None),  # ... written as Q and V: [B * H, S, D]
+    (4096, 768, 768, "float16", "projection", None, (32, 128), (0, 2, 3, 1), None),  # ... and as K: [B * H, D, S]
+    (1024, 512, 256, "bfloat16", "silu_residual", None, None, None, None),
+    (256, 256, 128, "float16", "relu", (64, 128, 2, 32, 1), None, None, None),
+    (1024, 1024, 1024, "float16", "gelu_tanh", (256, 128, 4, 64, 1), None, None, None),
+    (512, 512, 512, "float16", "silu_residual", (128, 256, 3, 64, 2), (4, 128), None, None),  # two column warpgroups
+    (1000, 768, 768, "float16", "projection", None, (8, 125), (0, 2, 1, 3), None),  # rows no tile divides, head layout
+    (100, 3072, 768, "bfloat16", "ffn1", None, None, None, None),
+    (4096, 3072, 768, "float16", "ffn1", None, (32, 128), None, False),  # the accumulators stored from registers, not by TMA
 ])
-def test_gpu_wgmma_elementwise_matches_torch(M, N, K, dtype, chain, cfg, lead, axes):
+def test_gpu_wgmma_elementwise_matches_torch(M, N, K, dtype, chain, cfg, lead, axes, stage):
     """The GEMM + elementwise kernel (written on CPU in session 14) against PyTorch: BERT's chains
     (fp32 bias, GELU, fp16 or fp32 out; the projections also in attention's head layouts, cast
-    to fp16), activations with a residual tile, bf16, other tiles."""
+    to fp16), activations with a residual tile, bf16, other tiles; row-major outputs by TMA
+    stores (session 15), and once from registers."""
     import tvm  # pylint: disable=import-outside-toplevel
 
     from tvm_comfuse.schedule import wgmma_elementwise as we, wgmma_mainloop as wm  # pylint: disable=import-outside-toplevel
@@ -397,7 +399,7 @@ def test_gpu_wgmma_elementwise_matches_torch(M, N, K, dtype, chain, cfg, lead, a
     operands = [torch.randn(N, device="cuda", generator=gen)]
     operands += [torch.randn(*(lead or (M,)), N, device="cuda", dtype=tdt, generator=gen)] if chain == "silu_residual" else []
     out = torch.full(spec.out_shape(lead or (M,), N), float("nan"), device="cuda", dtype=getattr(torch, spec.out_dtype))
-    kernel = wm.build(we.wgmma_elementwise(M, N, K, spec, cfg and wm.WgmmaConfig(*cfg), lead=lead))["main"]
+    kernel = wm.build(we.wgmma_elementwise(M, N, K, spec, cfg and wm.WgmmaConfig(*cfg), lead=lead, stage=stage))["main"]
     kernel(*[tvm.runtime.from_dlpack(t) for t in (x, w, *operands, out)])
     ref = _chain_reference(spec, x, w, operands)
     if spec.layout:

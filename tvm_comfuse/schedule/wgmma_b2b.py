@@ -39,11 +39,13 @@ from tvm.script import tirx as T
 
 from ..errors import ComFuseError
 from .chain import Step
+from .staged_store import box_cols, buffer_shape, staged_bytes, staged_store
+from .staged_store import drain as staged_drain
+from .staged_store import size as _size
 from .wgmma_elementwise import Elementwise, epilogue_value
 from .wgmma_elementwise import reference as elementwise_reference
-from .wgmma_mainloop import (_PTX_TYPE, CONSUMER_BARRIER, SMEM_LIMIT, TMA_LOAD, Ring, WgmmaConfig, box_rows, fragment,
-                             mainloop, roles, tensor_map)
-from .wgmma_postnorm import SM_COUNT, TMA_STORE
+from .wgmma_mainloop import _PTX_TYPE, SMEM_LIMIT, TMA_LOAD, Ring, WgmmaConfig, box_rows, fragment, mainloop, roles, tensor_map
+from .wgmma_postnorm import SM_COUNT
 
 #: Widths of the intermediate the kernel takes: a 64-row slab of it in one warpgroup's registers.
 INTERMEDIATE = (64, 128, 192, 256)
@@ -137,7 +139,7 @@ class B2BConfig:
         return self.stages2 * self.bn2 * 64 * 2
 
     def staging_bytes(self, out_dtype: str = "float16") -> int:
-        return 2 * self.bm * self.bn2 * _size(out_dtype)
+        return staged_bytes(self.bm, self.bn2, out_dtype, buffers=2)
 
     def smem_bytes(self, n1: int, out_dtype: str = "float16") -> int:
         return self.phase1(n1).smem_bytes + self.ring2_bytes() + self.staging_bytes(out_dtype)
@@ -159,10 +161,6 @@ class B2BConfig:
         p1 = self.phase1(n1 if n1 in INTERMEDIATE else 64)
         found += [p for p in p1.problems(-(-m // self.bm) * self.bm, p1.bn, k, dtype) if "shared memory" not in p]
         return found
-
-
-def _size(dtype: str) -> int:
-    return tvm.DataType(dtype).bits // 8
 
 
 def default_config(m: int, n1: int, n2: int, k: int, dtype: str = "float16", out_dtype: str = "float16") -> B2BConfig | None:
@@ -218,8 +216,7 @@ def wgmma_b2b(m: int, n1: int, n2: int, k: int, spec: B2B = B2B(), cfg: B2BConfi
     if math.prod(lead) != m or math.prod(out_lead) != m:
         raise ComFuseError(f"wgmma b2b: row dimensions {lead} and {out_lead} do not both multiply to M = {m}")
     c1, dtype, odt = cfg.phase1(n1), spec.dtype, spec.out_dtype
-    box, chunk = 128 // _size(odt), 16 // _size(odt)  # a staged box's columns (a 128-byte row) and a 16-byte chunk's
-    bm, bn2, st2, kt, chunks, tiles, boxes = cfg.bm, cfg.bn2, cfg.stages2, k // cfg.bk, n1 // 64, n2 // cfg.bn2, cfg.bn2 // box
+    bm, bn2, st2, kt, chunks, tiles = cfg.bm, cfg.bn2, cfg.stages2, k // cfg.bk, n1 // 64, n2 // cfg.bn2
     blocks = -(-m // bm)
     grid = min(blocks, SM_COUNT) if cfg.persistent else blocks
     produce, consume = mainloop(c1, k, dtype)
@@ -228,7 +225,7 @@ def wgmma_b2b(m: int, n1: int, n2: int, k: int, spec: B2B = B2B(), cfg: B2BConfi
     acquire2, wait2, release2 = ring2.acquire(), ring2.wait(), ring2.release()
     producer, consumer = roles(c1)
     maps = {"x": tensor_map(m, k, box_rows(bm), cfg.bk, dtype), "w1": tensor_map(n1, k, box_rows(n1), cfg.bk, dtype),
-            "w2": tensor_map(n2, n1, bn2, 64, dtype), "out": tensor_map(m, n2, 64, box, odt)}
+            "w2": tensor_map(n2, n1, bn2, 64, dtype), "out": tensor_map(m, n2, 64, box_cols(odt), odt)}
     t = _PTX_TYPE[dtype]
     mma2, pack = f"wgmma.mma_async.sync.aligned.m64n{bn2}k16.f32.{t}.{t}", f"cvt.rn.{t}x2.f32"
     first = _intermediate(spec)
@@ -237,6 +234,10 @@ def wgmma_b2b(m: int, n1: int, n2: int, k: int, spec: B2B = B2B(), cfg: B2BConfi
 
     def clamp(row):  # a tile operand's row past M (the last block's TMA zeros): read row M - 1, not stored
         return T.min(row, m - 1) if m % bm else row
+
+    # the second chain on each output tile, staged in shared memory and stored by TMA
+    store_tile = staged_store(bn2, odt, lambda P, v, row, col: epilogue_value(spec.second, P, v, clamp(row), col))
+    drain = staged_drain()
 
     # pylint: disable=invalid-name,unused-variable,too-many-locals
     @T.macro
@@ -264,26 +265,6 @@ def wgmma_b2b(m: int, n1: int, n2: int, k: int, spec: B2B = B2B(), cfg: B2BConfi
                 release2(empty2, step - 1, tw)
 
     @T.macro
-    def store_tile(out_map, O, P2, acc2, cw, tw, row0, tile, buf):
-        """Output tile ``tile`` of the warpgroup's rows (from ``row0``): the second chain into
-        staging buffer ``buf`` (after its previous TMA stores have read it), then one TMA store a
-        box, issued by the warpgroup's thread 0 (whose bulk groups they are)."""
-        if tw == 0:
-            T.ptx["cp.async.bulk.wait_group.read"](1)  # the store two tiles back has read buf
-        T.ptx["bar.sync"](T.uint32(CONSUMER_BARRIER) + T.cast(cw, "uint32"), 128)
-        for q in T.unroll(bn2 // 4):  # accumulators 2q, 2q + 1: one row's adjacent columns
-            for v in T.vectorized(2):
-                lrow, lcol = T.meta_var(fragment(tw, 2 * q + v))
-                O[buf, cw, lcol // box, lrow, (lcol % box // chunk ^ lrow % 8) * chunk + lcol % chunk] = epilogue_value(
-                    spec.second, P2, acc2[2 * q + v], clamp(row0 + lrow), tile * bn2 + lcol)
-        T.ptx["fence.proxy.async.shared::cta"]()
-        T.ptx["bar.sync"](T.uint32(CONSUMER_BARRIER) + T.cast(cw, "uint32"), 128)
-        if tw == 0:
-            for b in T.unroll(boxes):
-                T.ptx[TMA_STORE](T.address_of(out_map), tile * bn2 + b * box, row0, O.ptr_to([buf, cw, b, 0, 0]))
-            T.ptx["cp.async.bulk.commit_group"]()
-
-    @T.macro
     def body(x_map, w1_map, w2_map, out_map, P1, P2):
         bx = T.cta_id([grid])
         wg = T.warpgroup_id([c1.consumers + 1])
@@ -292,7 +273,7 @@ def wgmma_b2b(m: int, n1: int, n2: int, k: int, spec: B2B = B2B(), cfg: B2BConfi
         flat = T.alloc_shared([ring1_elems + ring2_elems + cfg.staging_bytes(odt) // 2], dtype, scope="shared.dyn", align=1024)
         S1 = T.decl_buffer([c1.stages, bm + n1, cfg.bk], dtype, data=flat.data, scope="shared.dyn")
         S2 = T.decl_buffer([st2, bn2, 64], dtype, data=flat.data, elem_offset=ring1_elems, scope="shared.dyn")
-        O = T.decl_buffer([2, bm // 64, boxes, 64, box], odt, data=flat.data, elem_offset=staged_at, scope="shared.dyn")
+        O = T.decl_buffer(buffer_shape(2, bm // 64, bn2, odt), odt, data=flat.data, elem_offset=staged_at, scope="shared.dyn")
         full = T.alloc_shared([c1.stages], "uint64", scope="shared", align=8)
         empty = T.alloc_shared([c1.stages], "uint64", scope="shared", align=8)
         full2 = T.alloc_shared([st2], "uint64", scope="shared", align=8)
@@ -332,9 +313,8 @@ def wgmma_b2b(m: int, n1: int, n2: int, k: int, spec: B2B = B2B(), cfg: B2BConfi
                         T.ptx[pack](frag[4 * j + p], hi, lo)
                 for tile in T.serial(tiles):
                     gemm2_tile(S2, full2, empty2, acc2, frag, db, tw, it * tiles + tile)
-                    store_tile(out_map, O, P2, acc2, cw, tw, row0, tile, (it * tiles + tile) % 2)
-            if tw == 0:
-                T.ptx["cp.async.bulk.wait_group.read"](0)  # the staging buffers outlive the stores' reads
+                    store_tile(out_map, O, P2, acc2, cw, tw, row0, tile * bn2, (it * tiles + tile) % 2)
+            drain(tw)
 
     # the parameter list depends on the operands: the signature is generated, the body is the macro above
     def operands(prefix, half, n, rows):

@@ -13,8 +13,12 @@ The chain is the post-norm kernel's (:mod:`.chain`: casts and adds of a ``[N]`` 
 ``[M, N]`` tile, each rounded to the dtype the graph computes it in), plus activations,
 evaluated in fp32 as TVM legalises them. Tiles are whole CTAs of ``bm / 64`` consumer
 warpgroups (``wg_n = 1``, as the plain GEMM measured fastest); :func:`default_config` picks the
-tile that fills the SMs' waves best. Written in session 14 without a GPU (checked on CPU: nvcc
-for sm_90a, no spills, no accumulator hazards): opt-in until it has run on one.
+tile that fills the SMs' waves best. A row-major output leaves by TMA stores
+(:mod:`.staged_store`), staged in the ring's shared memory once every consumer warpgroup's
+mainloop is done (session 15: FFN1's 25 MB of output went out as 4-byte pieces of eight rows per
+warp store before); head layouts, whose elements do not form boxes, by each thread's stores.
+Written in sessions 14 and 15 without a GPU (checked on CPU: nvcc for sm_90a, no spills, no
+accumulator hazards): opt-in until it has run on one.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ from tvm.script import tirx as T
 
 from ..errors import ComFuseError
 from .chain import ACTIVATIONS, chain_value, np_chain, np_dtype
-from .wgmma_mainloop import Ring, WgmmaConfig, box_rows, fragment, mainloop, roles, tensor_map
+from .staged_store import box_cols, buffer_shape, drain, staged_bytes, staged_store
+from .wgmma_mainloop import Ring, WgmmaConfig, box_rows, consumer_sync, fragment, mainloop, roles, tensor_map
 from .wgmma_postnorm import SM_COUNT
 
 #: CTA tiles the default chooses from, with their throughput relative to 128 x 256 as plain
@@ -155,11 +160,22 @@ def default_config(m: int, n: int, k: int, dtype: str = "float16") -> WgmmaConfi
     return best[1] if best else None
 
 
-def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(), cfg: WgmmaConfig | None = None, lead=None):
+def stages_output(spec: Elementwise, cfg: WgmmaConfig) -> bool:
+    """Whether the output can leave by TMA stores (:mod:`.staged_store`), staged in the ring's
+    shared memory once every consumer warpgroup's mainloop is done: a row-major output (not a
+    head layout, whose elements do not form boxes) of whole 128-byte boxes that fits the ring."""
+    return (not spec.layout and cfg.wg_n == 1 and cfg.wg_cols % box_cols(spec.out_dtype) == 0
+            and staged_bytes(cfg.bm, cfg.bn, spec.out_dtype) <= cfg.smem_bytes)
+
+
+def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(), cfg: WgmmaConfig | None = None, lead=None,
+                      stage: bool | None = None):
     """The fused kernel, a tirx PrimFunc for sm_90a with parameters ``(x[*lead, k], w[n, k],
     operand 0, ..., out)``, ``out`` of ``spec.out_shape(lead, n)``: ``lead`` are the row dimensions (``(m,)`` by default;
     ``(B, S)`` for 3-D activations, read as ``B * S`` rows through 2-D views of the same memory).
-    Static shapes, any M, N a multiple of the tile (:func:`problems`)."""
+    Static shapes, any M, N a multiple of the tile (:func:`problems`). ``stage``: the output
+    staged in shared memory and stored by TMA (None: where :func:`stages_output`; False: each
+    thread stores its accumulators, as the head layouts always are)."""
     found = problems(m, n, k, spec, cfg)
     if found:
         raise ComFuseError("wgmma GEMM + elementwise cannot take " + "; ".join(found))
@@ -173,12 +189,24 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
     init = Ring(cfg.stages, cfg.consumers).init()
     producer, consumer = roles(cfg)
     maps = {"x": tensor_map(m, k, box_rows(bm), cfg.bk, spec.dtype), "w": tensor_map(n, k, box_rows(bn), cfg.bk, spec.dtype)}
+    staged = stages_output(spec, cfg) if stage is None else stage
+    if staged and not stages_output(spec, cfg):
+        raise ComFuseError(f"wgmma GEMM + elementwise: the output cannot be staged for TMA stores ({spec.layout or spec.out_dtype}, "
+                           f"{bm} x {bn} tiles in a {cfg.smem_bytes // 1024} KiB ring); pass stage=None")
+    if staged:
+        maps["out"] = tensor_map(m, n, 64, box_cols(spec.out_dtype), spec.out_dtype)
+    sync = consumer_sync(cfg)
+    # rows past M (the last tile's, on TMA's zeros) read a tile operand at row M - 1; the TMA store clips them
+    store = staged_store(cfg.wg_cols, spec.out_dtype,
+                         lambda P, v, row, col: epilogue_value(spec, P, v, T.min(row, m - 1) if ragged else row, col))
+    wait_stores = drain()
+
     def at(row, col):
         """Where ``(row, col)`` of the GEMM's result lies in the output (Python, at parse time)."""
         return (layout_offset(spec.layout, row, col),) if spec.layout else (row, col)
 
     @T.macro
-    def body(x_map, w_map, P, out):
+    def body(x_map, w_map, out_map, P, out):
         if cfg.ctas_per_sm > 1:  # __launch_bounds__(threads, ctas_per_sm)
             T.attr({"tirx.launch_bounds_min_blocks_per_sm": cfg.ctas_per_sm})
         bx, by = T.cta_id([_padded(m, bm) // bm, n // bn])
@@ -194,6 +222,7 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
         S = T.alloc_shared([cfg.stages, bm + bn, cfg.bk], spec.dtype, scope="shared.dyn", align=1024)
         full = T.alloc_shared([cfg.stages], "uint64", scope="shared", align=8)
         empty = T.alloc_shared([cfg.stages], "uint64", scope="shared", align=8)
+        O = T.decl_buffer(buffer_shape(1, cfg.consumers, cfg.wg_cols, spec.out_dtype), spec.out_dtype, data=S.data, scope="shared.dyn")
         acc = T.alloc_local([acc_n], "float32")
         da = T.alloc_local([1], "uint64")
         db = T.alloc_local([1], "uint64")
@@ -202,6 +231,12 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
             producer()
             if tw == 0:
                 produce(x_map, w_map, S, S, full, empty, bx * bm, by * bn, 0)
+        elif staged:
+            consumer()
+            consume(S, S, full, empty, acc, da, db, wg - 1, tw, 0)
+            sync(0)  # every consumer warpgroup's wgmmas are done and every load has landed: the ring is free
+            store(out_map, O, P, acc, wg - 1, tw, bx * bm + (wg - 1) * 64, by * bn, 0)
+            wait_stores(tw)
         else:
             consumer()
             consume(S, S, full, empty, acc, da, db, wg - 1, tw, 0)
@@ -225,6 +260,6 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
     lines += [f"    encode_{p}({p}_map, {p}_p.data)" for p in maps] + ["    T.device_entry()"]
     lines += [f"    {p} = T.decl_buffer({view}, {dt!r}, data={p}_p.data)" if view else f"    {p} = {p}_p" for p, _, dt, view in signature[2:]]
     operands = ", ".join(f"p{j}" for j in range(len(spec.operands)))
-    lines += [f"    body(x_map, w_map, ({operands}{',' if operands else ''}), out)"]
+    lines += [f"    body(x_map, w_map, {'out_map' if staged else 'None'}, ({operands}{',' if operands else ''}), out)"]
     return tvm.script.from_source("@T.prim_func\n" + "\n".join(lines),
                                   extra_vars={"T": T, "body": body, **{f"encode_{p}": enc for p, enc in maps.items()}})

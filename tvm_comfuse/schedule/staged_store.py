@@ -1,0 +1,91 @@
+"""Output tiles that leave the Hopper kernels by TMA: registers -> swizzled shared memory -> ``cp.async.bulk.tensor``.
+
+Why: a wgmma accumulator fragment stored straight to global memory goes out as 4- or 8-byte
+pieces of eight rows per warp instruction (each row's two columns of an 8-column block), eight
+L1 wavefronts an instruction, and the stores hold the warps until they issue. Session 8's
+back-to-back GEMM spent about half its time so (151 against eager's 101 us at 65536 x 1024 ->
+64 -> 1024), and the post-norm kernel's TMA-stored output was 24-31% faster than its register
+stores on the H200 (session 9). Here each thread writes its accumulators once into a staging
+buffer in TMA's 128-byte swizzle (16-byte chunk ``c`` of row ``r`` at ``c ^ r % 8``: the eight
+rows of a warp's store land in distinct banks), and one thread issues a TMA store per 64-row box
+of 128-byte rows (64 columns of 16-bit values, 32 of float32), which the TMA unit clips at the
+tensor's edge (rows past M are not written) and completes while the warps go on.
+
+A consumer warpgroup stages its own ``64 x cols`` slice: ``O[buf, wg, box, row, col]``, ``buf``
+one of the buffers a kernel alternates (before rewriting one, the warpgroup's thread 0 waits
+until the store before last has read it), and synchronises on a named barrier of its own.
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm.script import tirx as T
+
+from .wgmma_mainloop import fragment
+from .wgmma_postnorm import TMA_STORE
+
+#: First named barrier of the staging warpgroups (one each: 0 is ``__syncthreads``, 1 the
+#: consumer warpgroups' together, :data:`~.wgmma_mainloop.CONSUMER_BARRIER`).
+STAGE_BARRIER = 2
+
+
+def size(dtype: str) -> int:
+    return tvm.DataType(dtype).bits // 8
+
+
+def box_cols(dtype: str) -> int:
+    """Columns of one staged box: a 128-byte swizzled row."""
+    return 128 // size(dtype)
+
+
+def staged_bytes(rows: int, cols: int, dtype: str, buffers: int = 1) -> int:
+    """Shared memory of ``buffers`` staged ``rows x cols`` tiles."""
+    return buffers * rows * cols * size(dtype)
+
+
+def buffer_shape(buffers: int, warpgroups: int, cols: int, dtype: str) -> list:
+    """The staging buffer's shape, ``[buffers, warpgroups, boxes, 64, box columns]``."""
+    return [buffers, warpgroups, cols // box_cols(dtype), 64, box_cols(dtype)]
+
+
+def staged_store(cols: int, dtype: str, value):
+    """The tirx macro ``store(out_map, O, P, acc, wg, tw, row0, col0, buf)``: thread ``tw`` of
+    consumer warpgroup ``wg`` writes ``value(P, acc[i], row, col)`` (Python, at parse time: the
+    epilogue's chain on accumulator ``i`` of its ``64 x cols`` fragment tile, in ``dtype``, at
+    global ``(row, col)`` from ``(row0, col0)``) into buffer ``buf`` of ``O`` (shaped by
+    :func:`buffer_shape`), and the warpgroup's thread 0 stores it to the tensor of ``out_map``
+    (encoded with 64-row boxes of :func:`box_cols` columns) by TMA, one bulk group a tile.
+    ``cols`` is a multiple of the box columns."""
+    box, chunk = box_cols(dtype), 16 // size(dtype)
+
+    # pylint: disable=invalid-name
+    @T.macro
+    def store(out_map, O, P, acc, wg, tw, row0, col0, buf):
+        if tw == 0:
+            T.ptx["cp.async.bulk.wait_group.read"](1)  # the store before last has read its buffer
+        T.ptx["bar.sync"](T.uint32(STAGE_BARRIER) + T.cast(wg, "uint32"), 128)
+        for q in T.unroll(cols // 4):  # accumulators 2q, 2q + 1: one row's adjacent columns
+            for v in T.vectorized(2):
+                lrow, lcol = T.meta_var(fragment(tw, 2 * q + v))
+                O[buf, wg, lcol // box, lrow, (lcol % box // chunk ^ lrow % 8) * chunk + lcol % chunk] = value(
+                    P, acc[2 * q + v], row0 + lrow, col0 + lcol)
+        T.ptx["fence.proxy.async.shared::cta"]()  # the writes, visible to the TMA unit
+        T.ptx["bar.sync"](T.uint32(STAGE_BARRIER) + T.cast(wg, "uint32"), 128)
+        if tw == 0:
+            for b in T.unroll(cols // box):
+                T.ptx[TMA_STORE](T.address_of(out_map), col0 + b * box, row0, O.ptr_to([buf, wg, b, 0, 0]))
+            T.ptx["cp.async.bulk.commit_group"]()
+
+    return store
+
+
+def drain():
+    """The tirx macro ``drain(tw)``: a staging warpgroup's thread 0 waits until its stores have
+    read their buffers (the CTA's shared memory must outlive them)."""
+
+    @T.macro
+    def wait(tw):
+        if tw == 0:
+            T.ptx["cp.async.bulk.wait_group.read"](0)
+
+    return wait
