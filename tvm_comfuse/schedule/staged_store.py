@@ -2,13 +2,14 @@
 
 Why: a wgmma accumulator fragment stored straight to global memory goes out as 4- or 8-byte
 pieces of eight rows per warp instruction (each row's two columns of an 8-column block), eight
-L1 wavefronts an instruction, and the stores hold the warps until they issue. Session 8's
-back-to-back GEMM spent about half its time so (151 against eager's 101 us at 65536 x 1024 ->
-64 -> 1024), and the post-norm kernel's TMA-stored output was 24-31% faster than its register
-stores on the H200 (session 9). Here each thread writes its accumulators once into a staging
-buffer in TMA's 128-byte swizzle (16-byte chunk ``c`` of row ``r`` at ``c ^ r % 8``: the eight
-rows of a warp's store land in distinct banks), and one thread issues a TMA store per 64-row box
-of 128-byte rows (64 columns of 16-bit values, 32 of float32), which the TMA unit clips at the
+L1 wavefronts an instruction, and the stores hold the warps until they issue. By that count
+they were about half of session 8's back-to-back GEMM (151 against eager's 101 us at 65536 x
+1024 -> 64 -> 1024; estimated, not profiled), and the post-norm kernel's epilogue with its
+residual loaded and its output stored by TMA was 24-31% faster than with both in registers on
+the H200 (session 9). Here each thread writes its accumulators once into a staging buffer in
+TMA's 128-byte swizzle (16-byte chunk ``c`` of row ``r`` at ``c ^ r % 8``: the eight rows of a
+warp's store land in distinct banks), and one thread issues a TMA store per 64-row box of
+128-byte rows (64 columns of 16-bit values, 32 of float32), which the TMA unit clips at the
 tensor's edge (rows past M are not written) and completes while the warps go on.
 
 A consumer warpgroup stages its own ``64 x cols`` slice: ``O[buf, wg, box, row, col]``, ``buf``

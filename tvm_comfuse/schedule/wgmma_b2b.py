@@ -10,15 +10,16 @@ register ``p`` of k-slice ``j``: the m64nNk16 D layout and the m64k16 A layout c
 
 Why this shape (the first version, session 8, was correct on the H200 but slower than eager
 PyTorch on every MLP shape of issue 5, 151 against 101 us at 65536 x 1024 -> 64 -> 1024): the
-kernel moves ``x`` in and ``out`` out, 256 MB there, a memory-bound job, and the first version
-did neither at full speed. Its second GEMM's output left from registers in the accumulator
-layout (16-byte pieces of eight rows per warp store, 4096 store instructions a 128-row block),
-and each CTA took one row block, so nothing overlapped a block's loads with its stores. Here:
+kernel moves ``x`` in and ``out`` out, 256 MB there, a memory-bound job, and by its code (not
+profiled) the first version did neither at full speed: its second GEMM's output left from
+registers in the accumulator layout (16-byte pieces of eight rows per warp store, 4096 store
+instructions a 128-row block), and each CTA took one row block, so nothing overlapped a block's
+loads with its stores. Here:
 
-- ``out`` leaves by TMA: each output tile is written once to shared memory (the 128-byte
-  swizzle, no bank conflicts) and stored by one ``cp.async.bulk.tensor`` per 64 x 64 box, in two
-  staging buffers, so the next tile's wgmmas run while the last one drains (rows past M are
-  clipped by the TMA unit: any M);
+- ``out`` leaves by TMA (:mod:`.staged_store`): each output tile is written once to shared
+  memory (the 128-byte swizzle, no bank conflicts) and stored by one ``cp.async.bulk.tensor``
+  per 64-row box, in two staging buffers, so the next tile's wgmmas run while the last one
+  drains (rows past M are clipped by the TMA unit: any M; a float32 output is staged as such);
 - CTAs are persistent (one an SM, row blocks ``bx, bx + grid, ...``) and fed by two rings with a
   producer thread each: GEMM 1's (``x`` and ``w1`` tiles) and ``w2``'s (``bn2 x 64`` chunks),
   so the next block's ``x`` streams in while this block's second GEMM and stores run.
