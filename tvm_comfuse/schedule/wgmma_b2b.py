@@ -165,14 +165,19 @@ class B2BConfig:
 
 
 def default_config(m: int, n1: int, n2: int, k: int, dtype: str = "float16", out_dtype: str = "float16") -> B2BConfig | None:
-    """128-row blocks (two consumer warpgroups share each w1 and w2 tile: measured faster than 64
-    rows at every N1 in session 8), the widest ``bn2`` dividing N2 (64 for a float32 output:
-    its staging buffers would take 128 KiB at 128), two ``w2`` stages, and the deepest GEMM 1
-    ring (up to 4 steps of 64, else of 32) that fits beside them; None if none does."""
-    bn2 = 128 if n2 % 128 == 0 and _size(out_dtype) == 2 else 64
+    """128-row blocks (two consumer warpgroups share each w1 and w2 tile: faster than 64 rows at
+    every N1 on the H200, sessions 8 and 15), and the deepest GEMM 1 ring (up to 4 steps of 64,
+    else of 32) that fits beside the w2 ring and the staging buffers. Up to N1 = 64: 128-column
+    output tiles (64 for a float32 output: its staging buffers would take 128 KiB) and two w2
+    stages. Wider: 64-column tiles and four w2 stages (session 15, ``experiments/b2b_configs.py``:
+    the two warpgroups share each w2 chunk, and a two-slot ring keeps them in step, their
+    epilogues at the same time; 65536 x 1024 -> 128 went from 118 to 104.5 us, 16384 -> 256 from
+    61 to 42.9, 65536 -> 256 from 237 to 166). None if nothing fits."""
+    narrow = n1 <= 64
+    bn2 = 128 if narrow and n2 % 128 == 0 and _size(out_dtype) == 2 else 64
     for bk in (64, 32):
         for stages in (4, 3, 2):
-            cfg = B2BConfig(128, stages, bk, bn2, 2, n1 <= 128)
+            cfg = B2BConfig(128, stages, bk, bn2, 2 if narrow else 4, n1 <= 128)
             if not cfg.problems(m, n1, n2, k, dtype, out_dtype):
                 return cfg
     return None
