@@ -149,7 +149,8 @@ def test_issue5_shapes_compile_without_spills_or_hazards(n1, spec):
 
 def test_sm90a_compile_runs_the_pair_as_one_kernel(caplog):
     """``get_pipeline(..., hopper_groups=("b2b",))`` on sm_90a: the MLP compiles to one launch,
-    the b2b kernel (linked, nvcc-compiled); the default groups leave it two GEMM kernels."""
+    the b2b kernel (linked, nvcc-compiled), as with the default groups; the post-norm kernel
+    alone leaves it two GEMM kernels."""
     from tvm_comfuse import PASS_CONFIG, pipeline  # pylint: disable=import-outside-toplevel
 
     mod = wl.mlp(1000, 256, 128, 512, residual=True)
@@ -158,11 +159,12 @@ def test_sm90a_compile_runs_the_pair_as_one_kernel(caplog):
     assert "1 GEMM -> elementwise -> GEMM pair(s) run as 1 wgmma b2b kernel(s)" in caplog.text
     assert [k for k in codegen.kernel_names(codegen.cuda_source(ex)) if k.startswith("comfuse_wgmma_b2b_")]
     launched = {}
-    for groups in (None, ("b2b",)):
+    for groups in (("post_norm",), ("b2b",), None):
         with tvm.transform.PassContext(opt_level=3, config=PASS_CONFIG):
             launched[groups] = codegen.launches(pipeline.get_pipeline(SM90A, hopper_groups=groups)(mod))
     assert len(launched[("b2b",)]) == 1 and launched[("b2b",)][0].startswith("comfuse_wgmma_b2b_")
-    assert len(launched[None]) == 2 and not any("b2b" in k for k in launched[None])
+    assert launched[None] == launched[("b2b",)]
+    assert len(launched[("post_norm",)]) == 2 and not any("b2b" in k for k in launched[("post_norm",)])
 
 
 def test_analysis_names_the_kernel_that_takes_b2b_groups():

@@ -194,7 +194,7 @@ def test_sm90a_compile_runs_the_groups_as_wgmma_kernels(caplog):
     names = codegen.kernel_names(codegen.cuda_source(ex))
     assert len([k for k in names if k.startswith("comfuse_wgmma_ew_")]) == 3
     assert "4 GEMM + elementwise group(s) run as 3 wgmma kernel(s), 3 writing the layout" in caplog.text
-    ex = runtime.compile_module(_bert(), SM90A, hopper=True)
+    ex = runtime.compile_module(_bert(), SM90A, hopper=True, hopper_groups=("post_norm",))
     assert not any(k.startswith("comfuse_wgmma_ew_") for k in codegen.kernel_names(codegen.cuda_source(ex)))
 
 
@@ -231,7 +231,8 @@ def test_opt_in_hopper_groups():
     def passes(target, **kw):
         return [type(p).__name__ for p in cf.pipeline.fusion_passes(tvm.target.Target(target), **kw) if "Offload" in type(p).__name__]
 
-    assert passes(SM90A) == ["OffloadHopperPostNorm"]
+    assert passes(SM90A) == ["OffloadHopperPostNorm", "OffloadHopperAttention", "OffloadHopperB2B", "OffloadHopperElementwise"]
+    assert passes(SM90A, hopper_groups=["post_norm"]) == ["OffloadHopperPostNorm"]
     assert passes(SM90A, hopper_groups=cf.pipeline.HOPPER_GROUPS) == ["OffloadHopperPostNorm", "OffloadHopperAttention",
                                                                      "OffloadHopperB2B", "OffloadHopperElementwise"]
     assert passes(SM90A, hopper_groups=["elementwise"]) == ["OffloadHopperElementwise"]
