@@ -171,7 +171,7 @@ def test_analysis_names_the_kernel_that_takes_b2b_groups():
     """``analyze`` still lists a narrow GEMM chain feeding a GEMM as a ``b2b_gemm`` candidate and
     says how to run it as one kernel."""
     (b2b,) = [g for g in cf.analyze(wl.mlp(128, 64, 64, 64)) if g.kind == cf.B2B_GEMM]
-    assert "hopper_groups" in b2b.note and not b2b.fused
+    assert "'b2b' Hopper group" in b2b.note and not b2b.fused
 
 
 def test_rewrite_agrees_with_vanilla_on_the_fuzz_family():

@@ -7,8 +7,8 @@ default pipeline: DLight; and, when asked, tuned by MetaSchedule's stock rules w
 budget ComFuse's logs had) and ComFuse (its default pipeline: on sm_90 the Hopper wgmma
 kernels; ``comfuse_mma_sync``: the portable mma.sync rule, untuned; ``comfuse_tuned``: the
 default pipeline with the shipped tuning logs, the wgmma kernels' tuned configurations on sm_90;
-``comfuse_hopper_all``, models, attention and MLPs only: the default pipeline with every Hopper
-kernel, the attention, back-to-back GEMM and GEMM + elementwise ones too, opt-in until measured; ``sdpa``,
+``comfuse_hopper_all``, models, attention and MLPs only: the pipeline with every Hopper kernel,
+which is the default since session 15 (before, the post-norm kernel alone); ``sdpa``,
 attention only: PyTorch's ``scaled_dot_product_attention``, flash attention on the H200). Each contender's output is checked against a float32
 PyTorch reference before it is timed; a wrong result is reported and not timed. Two times
 per call: device time (sum of kernel durations from the CUDA profiler, so launch and VM

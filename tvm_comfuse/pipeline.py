@@ -259,12 +259,13 @@ def get_pipeline(target, database=None, hopper: bool | None = None, hopper_group
         1.02-2.7x, and 5.5x over vanilla TVM at 8192x4096x4096, which the rule cannot fuse);
         ``False`` keeps the portable mma.sync rule.
     hopper_groups : sequence of str, optional
-        With ``hopper``, which groups run as Hopper kernels (:data:`HOPPER_GROUPS`): the default
-        ``("post_norm",)``; add ``"attention"`` (multi-head attention in one kernel,
-        :mod:`tvm_comfuse.transform.offload_hopper_attention`) and ``"elementwise"`` (``gelu(x @
-        w.T + b)``, ``x @ w.T + b``, writing attention's head layout where it follows:
-        :mod:`tvm_comfuse.transform.offload_hopper_elementwise`), both written without a GPU and
-        opt-in until they have run on one.
+        With ``hopper``, which groups run as Hopper kernels (:data:`HOPPER_GROUPS`, all by
+        default): ``"post_norm"`` (GEMM + LayerNorm/RMSNorm), ``"attention"`` (multi-head
+        attention in one kernel, :mod:`tvm_comfuse.transform.offload_hopper_attention`),
+        ``"b2b"`` (GEMM -> elementwise -> GEMM through a narrow intermediate,
+        :mod:`tvm_comfuse.transform.offload_hopper_b2b`) and ``"elementwise"`` (``gelu(x @ w.T +
+        b)``, ``x @ w.T + b``, writing attention's head layout where it follows:
+        :mod:`tvm_comfuse.transform.offload_hopper_elementwise`).
     """
     from .tune.logs import read_meta  # pylint: disable=import-outside-toplevel  (tune imports us)
     from .tune.representative import counterparts  # pylint: disable=import-outside-toplevel

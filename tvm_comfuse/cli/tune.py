@@ -19,7 +19,7 @@ EXAMPLES = """examples:
   comfuse tune bert-base-attnout --target nvidia/nvidia-h100 --trials 64   the wgmma kernel's configurations
   comfuse tune bert-base-attnout --target nvidia/nvidia-h100 --no-hopper   the portable mma.sync rule instead
   comfuse tune bert-base --layers 3 --target nvidia/nvidia-h100 --hopper-groups post_norm attention elementwise
-                                                           the opt-in Hopper kernels too (compile with the same groups)
+                                                           the Hopper groups to tune (compile with the same groups)
   comfuse tune mlp-65536-64 --target nvidia/nvidia-h100 --hopper-groups post_norm b2b   the back-to-back GEMM kernel
   comfuse tune bert-base --layers 2 --target '{"kind": "cuda", "arch": "sm_90"}' --include-vanilla
   comfuse tune my_model.py --work-dir logs/mine            a Relax IRModule saved with mod.script()
@@ -45,8 +45,8 @@ def add_parser(sub) -> None:
                         "compiles) instead of the Hopper wgmma post-norm kernel's configurations")
     p.add_argument("--hopper-groups", nargs="+", metavar="GROUP",
                    help="on sm_90, the Hopper kernels the compile will run, as get_pipeline(target, hopper_groups=...): "
-                        "post_norm (the default), attention, b2b, elementwise (b2b's and elementwise's configurations "
-                        "are tuned too)")
+                        "post_norm, attention, b2b, elementwise (all by default; the post-norm, b2b and elementwise "
+                        "kernels' configurations are tuned)")
     p.add_argument("--layers", type=int, help="encoder layers for bert-base/bert-large (default: the real depth)")
     p.add_argument("--batch", type=int, default=64, help="candidates per measurement round; logs grow after each (default 64)")
     p.add_argument("--bind", action="append", metavar="VAR=VALUE",

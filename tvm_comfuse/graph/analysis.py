@@ -265,10 +265,10 @@ def _b2b(blk: _Block, groups: list, function: str) -> list:
                             fused=False,
                             note=(
                                 f"a GEMM chain feeds a second GEMM through a {g.gemm[2]}-wide "
-                                "intermediate; on sm_90, get_pipeline(target, hopper_groups=(..., "
-                                "'b2b')) runs the pair as one kernel with the intermediate on chip "
-                                "(opt-in, not yet measured on a GPU); otherwise the two GEMMs keep "
-                                "separate kernels (their groups are listed apart)"
+                                "intermediate; on sm_90 get_pipeline runs a pair of PyTorch linears "
+                                "(N1 of 64 to 256) as one kernel with the intermediate on chip (the "
+                                "'b2b' Hopper group); otherwise the two GEMMs keep separate kernels "
+                                "(their groups are listed apart)"
                             ),
                         )
                     )

@@ -24,8 +24,9 @@ loads with its stores. Here:
   producer thread each: GEMM 1's (``x`` and ``w1`` tiles) and ``w2``'s (``bn2 x 64`` chunks),
   so the next block's ``x`` streams in while this block's second GEMM and stores run.
 
-Written in session 15 without a GPU: checked on CPU (nvcc for sm_90a, no spills, no accumulator
-read before its wgmma's wait, the NumPy model against PyTorch), opt-in until it has run on one.
+Written in session 15 on CPU and measured on the H200 the same day: correct at once; at 65536 x
+1024 -> 64 -> 1024 80 us against eager's 100 (session 8's kernel: 151), faster than eager and
+torch.compile at five of issue 5's six MLP shapes (``notebooks/results/session15-h200-2026-12-05/``).
 """
 
 from __future__ import annotations

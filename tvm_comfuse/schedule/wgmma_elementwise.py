@@ -17,8 +17,8 @@ tile that fills the SMs' waves best. A row-major output leaves by TMA stores
 (:mod:`.staged_store`), staged in the ring's shared memory once every consumer warpgroup's
 mainloop is done (session 15: FFN1's 25 MB of output went out as 4-byte pieces of eight rows per
 warp store before); head layouts, whose elements do not form boxes, by each thread's stores.
-Written in sessions 14 and 15 without a GPU (checked on CPU: nvcc for sm_90a, no spills, no
-accumulator hazards): opt-in until it has run on one.
+Written in sessions 14 and 15 on CPU, first run on the H200 in session 15: FFN1 48.1 us against
+eager's 48.2 (73.3 with the register stores; ``notebooks/results/session15-h200-2026-12-05/``).
 """
 
 from __future__ import annotations

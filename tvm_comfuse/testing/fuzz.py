@@ -34,8 +34,8 @@ CLI: ``python -m tvm_comfuse.testing.fuzz --cases 1000 --seed 0 --out report.jso
 export them (adds in fp16/bf16, the norm in float32), shaped for the sm_90 wgmma kernels, which
 the random family's shapes and casts never reach; ``--family hopper_gemm`` from
 :func:`generate_hopper_gemm`: GEMM + elementwise blocks (heads split after some) compiled with
-the opt-in GEMM + elementwise kernel; ``--family b2b`` from :func:`generate_b2b`: two GEMMs
-around an elementwise chain (MLPs), compiled with the opt-in back-to-back GEMM kernel.
+the GEMM + elementwise kernel; ``--family b2b`` from :func:`generate_b2b`: two GEMMs around an
+elementwise chain (MLPs), compiled with the back-to-back GEMM kernel.
 """
 
 from __future__ import annotations
@@ -212,7 +212,7 @@ def generate_hopper(seed: int) -> Case:
 
 def generate_hopper_gemm(seed: int) -> Case:
     """A random GEMM + elementwise block from ``seed`` as models export it, compiled with the
-    opt-in GEMM + elementwise wgmma kernel (deterministic): fp16 or bf16 ``x @ w.T``, a bias,
+    GEMM + elementwise wgmma kernel (deterministic): fp16 or bf16 ``x @ w.T``, a bias,
     an activation the kernel has (relu, gelu, silu), a residual, and, on batched rows, the
     result split into heads (``reshape`` + ``permute_dims``, which the kernel's stores absorb).
     One case in eight has what the kernel does not (N = 96, which no tile divides, or tanh) so
@@ -239,7 +239,7 @@ def generate_hopper_gemm(seed: int) -> Case:
 def generate_b2b(seed: int) -> Case:
     """A random MLP from ``seed``, ``x @ w.T`` -> bias, activation -> ``@ v.T`` (the ``gemm2``
     token) -> bias (-> activation, a third linear, bias: one case in five), residual, compiled
-    with the opt-in back-to-back GEMM kernel (deterministic):
+    with the back-to-back GEMM kernel (deterministic):
     fp16 or bf16, rows any count (2-D or batched), an intermediate the kernel holds (64 to 256)
     and an output width it tiles (multiples of 64). One case in six has what it does not (an
     intermediate of 96 or 320, an output of 100) so the two halves' fallback is fuzzed beside it."""
@@ -748,8 +748,8 @@ def main(argv=None) -> int:
     parser.add_argument("--jobs", type=int, default=1, help="compile in this many worker processes")
     parser.add_argument("--family", choices=sorted(FAMILIES), default="random",
                         help="random graphs (default); hopper: post-norm blocks shaped for the sm_90 wgmma kernels; "
-                             "hopper_gemm: GEMM + elementwise blocks for the opt-in wgmma kernel; "
-                             "b2b: MLPs for the opt-in back-to-back GEMM kernel")
+                             "hopper_gemm: GEMM + elementwise blocks for the wgmma kernel; "
+                             "b2b: MLPs for the back-to-back GEMM kernel")
     args = parser.parse_args(argv)
     if args.target == "cuda" and not tvm.cuda(0).exist:
         parser.error("--target cuda needs a CUDA GPU, and tvm.cuda(0) finds none")

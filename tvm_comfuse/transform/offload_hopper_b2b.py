@@ -1,4 +1,4 @@
-"""OffloadHopperB2B: back-to-back GEMMs to one wgmma kernel on sm_90 (opt-in, issue 5).
+"""OffloadHopperB2B: back-to-back GEMMs to one wgmma kernel on sm_90 (issue 5).
 
 Runs after FuseComputeMemory, before OffloadHopperElementwise (which would take each half on its
 own). FuseComputeMemory outlines an MLP ``act(x @ w1.T + b1) @ w2.T + b2 (+ r)`` as two
@@ -17,9 +17,10 @@ the on-chip budget: one 64-row slab of it in a warpgroup's registers), both call
 stays as it was: the halves go on to OffloadHopperElementwise or the ``gemm_elementwise`` rule,
 and the pass logs why a candidate pair stayed apart.
 
-Off by default (``get_pipeline(target, hopper_groups=(..., "b2b"))``): written in session 15
-and checked on CPU (the kernel compiles for sm_90a without spills or accumulator hazards; with
-its NumPy model in its place the rewritten graph gives the graph's values), not yet run on a GPU.
+On by default on sm_90 (``hopper_groups`` selects the groups): written in session 15 on CPU and
+measured on the H200 the same day, faster than eager PyTorch and torch.compile at five of issue
+5's six MLP shapes and 4-6x faster than vanilla TVM at all six
+(``notebooks/results/session15-h200-2026-12-05/``).
 """
 
 from __future__ import annotations
