@@ -2,11 +2,12 @@
 
 Why: a wgmma accumulator fragment stored straight to global memory goes out as 4- or 8-byte
 pieces of eight rows per warp instruction (each row's two columns of an 8-column block), eight
-L1 wavefronts an instruction, and the stores hold the warps until they issue. By that count
-they were about half of session 8's back-to-back GEMM (151 against eager's 101 us at 65536 x
-1024 -> 64 -> 1024; estimated, not profiled), and the post-norm kernel's epilogue with its
-residual loaded and its output stored by TMA was 24-31% faster than with both in registers on
-the H200 (session 9). Here each thread writes its accumulators once into a staging buffer in
+L1 wavefronts an instruction, and the stores hold the warps until they issue. On the H200
+(session 15) staging FFN1's output this way took its GEMM + GELU kernel from 73.3 to 48.1 us
+(4096 x 768 -> 3072), and the rebuilt back-to-back GEMM, staged and persistent, from session 8's
+151 to 80 us (65536 x 1024 -> 64 -> 1024); the post-norm kernel's epilogue with its residual
+loaded and its output stored by TMA was 24-31% faster than with both in registers (session 9).
+Here each thread writes its accumulators once into a staging buffer in
 TMA's 128-byte swizzle (16-byte chunk ``c`` of row ``r`` at ``c ^ r % 8``: the eight rows of a
 warp's store land in distinct banks), and one thread issues a TMA store per 64-row box of
 128-byte rows (64 columns of 16-bit values, 32 of float32), which the TMA unit clips at the
