@@ -236,6 +236,25 @@ def _raise(err):
     return fn
 
 
+def _time_all(torch, names, row, torch_fns, mod, args, ref, target, log) -> list:
+    """Time each contender of ``names`` on one case: PyTorch's from ``torch_fns`` (name ->
+    ``(run, run_and_return_output)``), the others by compiling ``mod`` (vanilla TVM's
+    ``tvm_dlight``; ComFuse's default pipeline, or with every Hopper kernel for
+    ``comfuse_hopper_all``) and running it on ``args``; ``row(name)`` is the case's empty Row."""
+    rows = []
+    for contender in names:
+        if contender in torch_fns:
+            rows.append(_timed(torch, row(contender), *torch_fns[contender], ref, TOLERANCE["float16"], log))
+            continue
+        try:
+            groups = HOPPER_GROUPS if contender == "comfuse_hopper_all" else None
+            fn, fn_out = _tvm_callable(torch, mod, args, contender != "tvm_dlight", target, hopper_groups=groups)
+        except Exception as err_:  # pylint: disable=broad-except
+            fn, fn_out = _raise(err_), None
+        rows.append(_timed(torch, row(contender), fn, fn_out, ref, TOLERANCE["float16"], log))
+    return rows
+
+
 #: Attention shapes of ``comfuse bench --attention SEQ...`` (issue 5): batch x heads 256, head dim 64.
 ATTENTION_BATCH, ATTENTION_HEADS, ATTENTION_HEAD_DIM = 32, 8, 64
 
@@ -265,18 +284,9 @@ def run_attention(seqs, which=CONTENDERS, log=print) -> list:
             contenders["inductor"] = (compiled, compiled)
         sdpa = lambda qh=qh, kh=kh, vh=vh, s=s: torch.nn.functional.scaled_dot_product_attention(qh, kh, vh).transpose(1, 2).reshape(b * s, h * d)  # noqa: E731
         contenders["sdpa"] = (sdpa, sdpa)
-        mod = workloads.attention(b, h, s, d)
-        for contender in [c for c in ("eager", "inductor", "sdpa", "tvm_dlight", "comfuse", "comfuse_hopper_all") if c in which]:
-            row = Row(f"attention-b{b}h{h}-s{s}", b * s, d, h * d, "attention", "float16", contender)
-            if contender in contenders:
-                rows.append(_timed(torch, row, *contenders[contender], ref, TOLERANCE["float16"], log))
-                continue
-            try:
-                groups = HOPPER_GROUPS if contender == "comfuse_hopper_all" else None
-                fn, fn_out = _tvm_callable(torch, mod, [q, k, v], contender != "tvm_dlight", target, hopper_groups=groups)
-            except Exception as err_:  # pylint: disable=broad-except
-                fn, fn_out = _raise(err_), None
-            rows.append(_timed(torch, row, fn, fn_out, ref, TOLERANCE["float16"], log))
+        names = [c for c in ("eager", "inductor", "sdpa", "tvm_dlight", "comfuse", "comfuse_hopper_all") if c in which]
+        row = lambda c, s=s: Row(f"attention-b{b}h{h}-s{s}", b * s, d, h * d, "attention", "float16", c)  # noqa: E731
+        rows += _time_all(torch, names, row, contenders, workloads.attention(b, h, s, d), [q, k, v], ref, target, log)
     return rows
 
 
@@ -304,18 +314,9 @@ def run_mlp(widths, which=CONTENDERS, log=print) -> list:
             if "inductor" in which:
                 compiled = torch.compile(eager, dynamic=False)
                 contenders["inductor"] = (compiled, compiled)
-            mod = workloads.mlp(m, d, n1, d)
-            for contender in [c for c in ("eager", "inductor", "tvm_dlight", "comfuse", "comfuse_hopper_all") if c in which]:
-                row = Row(f"mlp-{m}x{d}-{n1}", m, d, d, f"mlp{n1}", "float16", contender)
-                if contender in contenders:
-                    rows.append(_timed(torch, row, *contenders[contender], ref, TOLERANCE["float16"], log))
-                    continue
-                try:
-                    groups = HOPPER_GROUPS if contender == "comfuse_hopper_all" else None
-                    fn, fn_out = _tvm_callable(torch, mod, args, contender != "tvm_dlight", target, hopper_groups=groups)
-                except Exception as err_:  # pylint: disable=broad-except
-                    fn, fn_out = _raise(err_), None
-                rows.append(_timed(torch, row, fn, fn_out, ref, TOLERANCE["float16"], log))
+            names = [c for c in ("eager", "inductor", "tvm_dlight", "comfuse", "comfuse_hopper_all") if c in which]
+            row = lambda c, m=m, n1=n1: Row(f"mlp-{m}x{d}-{n1}", m, d, d, f"mlp{n1}", "float16", c)  # noqa: E731
+            rows += _time_all(torch, names, row, contenders, workloads.mlp(m, d, n1, d), args, ref, target, log)
     return rows
 
 

@@ -103,16 +103,10 @@ def reference(spec: B2B, x, w1, *rest, out_lead=None):
     """NumPy model of the kernel (``rest``: the first chain's operands, ``w2``, the second's;
     the output's row dims ``out_lead``, default x's): the oracle the offload's CPU tests run in
     the kernel's place."""
-    n1 = len(spec.first.operands)
-    h = elementwise_reference(spec.first, np.asarray(x).reshape(-1, x.shape[-1]), w1, *[_rows(p) for p in rest[:n1]])
-    out = elementwise_reference(spec.second, h, rest[n1], *[_rows(p) for p in rest[n1 + 1:]])
+    n1 = len(spec.first.operands)  # (np_chain reads a tile operand's rows flat, whatever its row dims)
+    h = elementwise_reference(spec.first, np.asarray(x).reshape(-1, x.shape[-1]), w1, *rest[:n1])
+    out = elementwise_reference(spec.second, h, rest[n1], *rest[n1 + 1:])
     return out.reshape(*(out_lead or x.shape[:-1]), out.shape[-1])
-
-
-def _rows(p):
-    """An operand as the 2-D kernel reads it: a tile ``[*rows, N]`` as ``[M, N]``, a vector as it is."""
-    p = np.asarray(p)
-    return p.reshape(-1, p.shape[-1]) if p.ndim > 1 else p
 
 
 @dataclass(frozen=True)

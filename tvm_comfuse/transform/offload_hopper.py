@@ -282,12 +282,33 @@ class Kernels:
         return self.symbols[key]
 
 
-class HopperOffload:  # pylint: disable=too-few-public-methods
-    """What the Hopper offload passes share: their target and how they build a kernel."""
+class HopperOffload:
+    """What the Hopper offload passes share: their target, how they build a kernel, and the
+    tuning logs (``database``, a MetaSchedule Database: ``comfuse tune``'s) they read each
+    kernel's configuration from."""
 
-    def __init__(self, target, build=None):
+    def __init__(self, target, build=None, database=None):
         self.target = parse_target(target)
         self.build = build
+        self.database = database
+
+    def tuned(self, task):
+        """The fastest tuned configuration of a kernel, or None (no database, no record: the
+        untuned default). ``task()`` gives ``(the group's or pair's function, the kernel's
+        Description)`` (:mod:`tvm_comfuse.tune.hopper`), asked for only where there are logs."""
+        if self.database is None:
+            return None
+        from ..tune import hopper  # pylint: disable=import-outside-toplevel  (tune imports the pipeline)
+
+        func, desc = task()
+        return None if func is None else hopper.tuned_config(self.database, hopper.workload(func, desc))
+
+    def report_tuned(self, tuned: int, total: int, what: str) -> None:
+        """Tell how many of the ``total`` kernels of ``what`` use tuned configurations (a warning
+        when some do not: their records are missing from the logs given)."""
+        if self.database is not None:
+            (LOG.warning if tuned < total else LOG.info)(
+                "ComFuse: %d of %d %s use tuned configurations, %d the untuned defaults", tuned, total, what, total - tuned)
 
     def builder(self):
         """``build(prim_func, symbol, spec, mnk)``: the one given, else the sm_90a compile; None
@@ -339,22 +360,10 @@ class OffloadHopperPostNorm(HopperOffload):  # pylint: disable=too-few-public-me
     untuned default.
     """
 
-    def __init__(self, target, build=None, database=None):
-        super().__init__(target, build)
-        self.database = database
-
-    def _config(self, func, found):
-        """The tuned configuration for this group, or None (the default)."""
-        if self.database is None:
-            return None
-        from ..tune import hopper  # pylint: disable=import-outside-toplevel  (tune imports the pipeline)
-
-        desc = hopper.describe(found)
-        return hopper.tuned_config(self.database, hopper.workload(func, desc))
-
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         """Build each eligible group's kernel, rewrite its calls, drop the outlined function."""
         from ..schedule import wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
+        from ..tune import hopper  # pylint: disable=import-outside-toplevel  (tune imports the pipeline)
 
         build = self.builder()
         if build is None:
@@ -362,7 +371,7 @@ class OffloadHopperPostNorm(HopperOffload):  # pylint: disable=too-few-public-me
         offloads, kernels, tuned = {}, Kernels(build, "comfuse_wgmma"), 0
         for gv, func, found in taken_groups(mod):
             spec, roles, mnk, out_shape, order = found
-            cfg = self._config(func, found)
+            cfg = self.tuned(lambda: (func, hopper.describe(found)))  # noqa: B023
             tuned += cfg is not None
             symbol = kernels.symbol((spec, mnk, tuple(out_shape), cfg), gv.name_hint,
                                     lambda: wp.wgmma_postnorm(*mnk, spec, cfg, lead=out_shape[:-1]), spec, mnk)  # noqa: B023
@@ -370,10 +379,7 @@ class OffloadHopperPostNorm(HopperOffload):  # pylint: disable=too-few-public-me
         if not offloads:
             return mod
         LOG.info("ComFuse: %d post-norm group(s) run as %d wgmma kernel(s)", len(offloads), len(kernels.symbols))
-        if self.database is not None:
-            (LOG.warning if tuned < len(offloads) else LOG.info)(
-                "ComFuse: %d of %d wgmma post-norm groups use tuned configurations, %d the untuned defaults",
-                tuned, len(offloads), len(offloads) - tuned)
+        self.report_tuned(tuned, len(offloads), "wgmma post-norm groups")
         return replace_calls(mod, offloads, kernels.modules)
 
 

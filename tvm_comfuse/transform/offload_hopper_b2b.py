@@ -200,29 +200,17 @@ class OffloadHopperB2B(HopperOffload):  # pylint: disable=too-few-public-methods
     (``comfuse tune --hopper-groups ... b2b``) runs its fastest configuration, the others the
     default."""
 
-    def __init__(self, target, build=None, database=None):
-        super().__init__(target, build)
-        self.database = database
-
-    def _config(self, spec, mnk, leads, args, pair):
-        if self.database is None:
-            return None
-        from ..tune import hopper  # pylint: disable=import-outside-toplevel  (tune imports the pipeline)
-
-        func = pair()
-        return None if func is None else hopper.tuned_config(self.database, hopper.workload(func, hopper.describe_b2b(
-            spec, mnk, leads, len(args))))
-
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         """Build each pair's kernel, rewrite the caller, drop the group functions left uncalled."""
         from ..schedule import wgmma_b2b as wb  # pylint: disable=import-outside-toplevel
+        from ..tune import hopper  # pylint: disable=import-outside-toplevel  (tune imports the pipeline)
 
         build = self.builder()
         if build is None:
             return mod
         plans, dropped, kernels, tuned = {}, set(), Kernels(build, "comfuse_wgmma_b2b"), 0
         for _, second, spec, args, mnk, leads, gone, pair in planned_pairs(mod):
-            cfg = self._config(spec, mnk, leads, args, pair)
+            cfg = self.tuned(lambda: (pair(), hopper.describe_b2b(spec, mnk, leads, len(args))))  # noqa: B023
             tuned += cfg is not None
             symbol = kernels.symbol((spec, mnk, leads, cfg), "", lambda: wb.wgmma_b2b(*mnk, spec, cfg, *leads), spec, mnk)  # noqa: B023
             plans[second] = (symbol, args, [*leads[1], mnk[2]], spec.out_dtype)
@@ -230,9 +218,7 @@ class OffloadHopperB2B(HopperOffload):  # pylint: disable=too-few-public-methods
         if not plans:
             return mod
         LOG.info("ComFuse: %d GEMM -> elementwise -> GEMM pair(s) run as %d wgmma b2b kernel(s)", len(plans), len(kernels.symbols))
-        if self.database is not None:
-            (LOG.warning if tuned < len(plans) else LOG.info)(
-                "ComFuse: %d of %d wgmma b2b pairs use tuned configurations, %d the untuned defaults", tuned, len(plans), len(plans) - tuned)
+        self.report_tuned(tuned, len(plans), "wgmma b2b pairs")
         rewriter = _PairRewriter(mod, plans, dropped)
         for gv, func in mod.functions_items():
             if isinstance(func, relax.Function) and KIND_ATTR not in (func.attrs or {}):

@@ -180,27 +180,17 @@ class OffloadHopperElementwise(HopperOffload):  # pylint: disable=too-few-public
     runs its fastest configuration, the others the default.
     """
 
-    def __init__(self, target, build=None, database=None):
-        super().__init__(target, build)
-        self.database = database
-
-    def _config(self, func, spec, roles, mnk, out_shape):
-        if self.database is None:
-            return None
-        from ..tune import hopper  # pylint: disable=import-outside-toplevel  (tune imports the pipeline)
-
-        return hopper.tuned_config(self.database, hopper.workload(func, hopper.describe_elementwise(spec, roles, mnk, out_shape)))
-
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         """Build each eligible group's kernel, rewrite its calls, drop the outlined function."""
         from ..schedule import wgmma_elementwise as we  # pylint: disable=import-outside-toplevel
+        from ..tune import hopper  # pylint: disable=import-outside-toplevel  (tune imports the pipeline)
 
         build = self.builder()
         if build is None:
             return mod
         offloads, kernels, plans, tuned = {}, Kernels(build, "comfuse_wgmma_ew"), {}, 0
         for gv, func, spec, roles, mnk, out_shape, tail in planned_groups(mod):
-            cfg = self._config(func, spec, roles, mnk, out_shape)
+            cfg = self.tuned(lambda: (func, hopper.describe_elementwise(spec, roles, mnk, out_shape)))  # noqa: B023
             tuned += cfg is not None
             symbol = kernels.symbol((spec, mnk, tuple(out_shape), cfg), gv.name_hint,
                                     lambda: we.wgmma_elementwise(*mnk, spec, cfg, lead=out_shape[:-1]), spec, mnk)  # noqa: B023
@@ -211,8 +201,5 @@ class OffloadHopperElementwise(HopperOffload):  # pylint: disable=too-few-public
             return mod
         LOG.info("ComFuse: %d GEMM + elementwise group(s) run as %d wgmma kernel(s), %d writing the layout of the "
                  "reshapes, transposes and casts after them", len(offloads), len(kernels.symbols), len(plans))
-        if self.database is not None:
-            (LOG.warning if tuned < len(offloads) else LOG.info)(
-                "ComFuse: %d of %d wgmma GEMM + elementwise groups use tuned configurations, %d the untuned defaults",
-                tuned, len(offloads), len(offloads) - tuned)
+        self.report_tuned(tuned, len(offloads), "wgmma GEMM + elementwise groups")
         return replace_calls(_rewrite_tails(mod, plans) if plans else mod, offloads, kernels.modules)

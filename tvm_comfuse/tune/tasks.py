@@ -79,17 +79,16 @@ def hopper_tasks(mod: tvm.IRModule, target: tvm.target.Target, hopper_groups=Non
     noop = lambda *_: None  # noqa: E731  (rewrite the graph as the compile does, build nothing)
     before = [OffloadHopperPostNorm(target, noop)] if "post_norm" in groups else []
     before += [OffloadHopperAttention(target, noop)] if "attention" in groups else []
+    with target:
+        seen = tvm.transform.Sequential(before)(grouped)
     if "b2b" in groups:
-        with target:
-            seen = tvm.transform.Sequential(before)(grouped)
         for first, _, spec, args, mnk, leads, _, pair in planned_pairs(seen):
             func = pair()
             if func is not None:
                 add(f"b2b_{first.name_hint}", "wgmma_b2b", hopper.workload(func, hopper.describe_b2b(spec, mnk, leads, len(args))))
-        before.append(OffloadHopperB2B(target, noop))  # the pairs it takes are not elementwise groups
-    if "elementwise" in groups:
         with target:
-            seen = tvm.transform.Sequential(before)(grouped)
+            seen = OffloadHopperB2B(target, noop)(seen)  # the pairs it takes are not elementwise groups
+    if "elementwise" in groups:
         for gv, func, spec, roles, mnk, out_shape, _ in planned_groups(seen):
             desc = hopper.describe_elementwise(spec, roles, mnk, out_shape)
             add(gv.name_hint, desc.kind, hopper.workload(func, desc))
