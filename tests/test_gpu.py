@@ -366,12 +366,18 @@ def _chain_reference(spec, x, w, operands):
     (1000, 768, 768, "float16", "projection", None, (8, 125), (0, 2, 1, 3), None),  # rows no tile divides, head layout
     (100, 3072, 768, "bfloat16", "ffn1", None, None, None, None),
     (4096, 3072, 768, "float16", "ffn1", None, (32, 128), None, False),  # the accumulators stored from registers, not by TMA
+    # persistent CTAs (session 16): ping-pong warpgroups over rows no tile divides (CTAs with odd and even tile counts)
+    (4100, 3072, 768, "float16", "ffn1", dict(bm=64, bn=256, stages=3, bk=64, pingpong=True), None, None, None),
+    (1000, 768, 768, "float16", "projection", dict(bm=64, bn=256, stages=7, bk=32, pingpong=True), (8, 125), (0, 2, 1, 3), None),
+    (4096, 1024, 1024, "float16", "projection", dict(bm=64, bn=128, stages=6, bk=64, pingpong=True), None, None, None),  # fp32 staged
+    (1000, 1024, 1024, "bfloat16", "silu_residual", dict(bm=128, bn=256, stages=3, bk=64, persistent=True), None, None, None),
 ])
 def test_gpu_wgmma_elementwise_matches_torch(M, N, K, dtype, chain, cfg, lead, axes, stage):
     """The GEMM + elementwise kernel (written on CPU in session 14) against PyTorch: BERT's chains
     (fp32 bias, GELU, fp16 or fp32 out; the projections also in attention's head layouts, cast
     to fp16), activations with a residual tile, bf16, other tiles; row-major outputs by TMA
-    stores (session 15), and once from registers."""
+    stores (session 15), and once from registers; persistent CTAs and ping-pong warpgroups
+    (session 16)."""
     import tvm  # pylint: disable=import-outside-toplevel
 
     from tvm_comfuse.schedule import wgmma_elementwise as we, wgmma_mainloop as wm  # pylint: disable=import-outside-toplevel
@@ -399,7 +405,8 @@ def test_gpu_wgmma_elementwise_matches_torch(M, N, K, dtype, chain, cfg, lead, a
     operands = [torch.randn(N, device="cuda", generator=gen)]
     operands += [torch.randn(*(lead or (M,)), N, device="cuda", dtype=tdt, generator=gen)] if chain == "silu_residual" else []
     out = torch.full(spec.out_shape(lead or (M,), N), float("nan"), device="cuda", dtype=getattr(torch, spec.out_dtype))
-    kernel = wm.build(we.wgmma_elementwise(M, N, K, spec, cfg and wm.WgmmaConfig(*cfg), lead=lead, stage=stage))["main"]
+    cfg = cfg and (wm.WgmmaConfig(**cfg) if isinstance(cfg, dict) else wm.WgmmaConfig(*cfg))
+    kernel = wm.build(we.wgmma_elementwise(M, N, K, spec, cfg, lead=lead, stage=stage))["main"]
     kernel(*[tvm.runtime.from_dlpack(t) for t in (x, w, *operands, out)])
     ref = _chain_reference(spec, x, w, operands)
     if spec.layout:

@@ -50,21 +50,22 @@ def buffer_shape(buffers: int, warpgroups: int, cols: int, dtype: str) -> list:
     return [buffers, warpgroups, cols // box_cols(dtype), 64, box_cols(dtype)]
 
 
-def staged_store(cols: int, dtype: str, value):
+def staged_store(cols: int, dtype: str, value, buffers: int = 2):
     """The tirx macro ``store(out_map, O, P, acc, wg, tw, row0, col0, buf)``: thread ``tw`` of
     consumer warpgroup ``wg`` writes ``value(P, acc[i], row, col)`` (Python, at parse time: the
     epilogue's chain on accumulator ``i`` of its ``64 x cols`` fragment tile, in ``dtype``, at
     global ``(row, col)`` from ``(row0, col0)``) into buffer ``buf`` of ``O`` (shaped by
     :func:`buffer_shape`), and the warpgroup's thread 0 stores it to the tensor of ``out_map``
     (encoded with 64-row boxes of :func:`box_cols` columns) by TMA, one bulk group a tile.
-    ``cols`` is a multiple of the box columns."""
+    ``cols`` is a multiple of the box columns; ``buffers`` the warpgroup alternates (1: it waits
+    until its last store has read the buffer before rewriting it)."""
     box, chunk = box_cols(dtype), 16 // size(dtype)
 
     # pylint: disable=invalid-name
     @T.macro
     def store(out_map, O, P, acc, wg, tw, row0, col0, buf):
         if tw == 0:
-            T.ptx["cp.async.bulk.wait_group.read"](1)  # the store before last has read its buffer
+            T.ptx["cp.async.bulk.wait_group.read"](buffers - 1)  # the store that last used this buffer has read it
         T.ptx["bar.sync"](T.uint32(STAGE_BARRIER) + T.cast(wg, "uint32"), 128)
         for q in T.unroll(cols // 4):  # accumulators 2q, 2q + 1: one row's adjacent columns
             for v in T.vectorized(2):

@@ -32,7 +32,7 @@ from tvm.script import tirx as T
 
 from ..errors import ComFuseError
 from .chain import ACTIVATIONS, chain_value, np_chain, np_dtype
-from .staged_store import box_cols, buffer_shape, drain, staged_bytes, staged_store
+from .staged_store import box_cols, buffer_shape, drain, size, staged_bytes, staged_store
 from .wgmma_mainloop import Ring, WgmmaConfig, box_rows, consumer_sync, fragment, mainloop, roles, tensor_map
 from .wgmma_postnorm import SM_COUNT
 
@@ -135,8 +135,12 @@ def problems(m: int, n: int, k: int, spec: Elementwise, cfg: WgmmaConfig | None 
         cfg = default_config(m, n, k, spec.dtype)
         if cfg is None:
             return found + [f"M, N, K = {m}, {n}, {k}: no tile of {sorted(TILES)} divides N with K a multiple of 32"]
-    if cfg.pingpong or cfg.resident:
-        found.append("ping-pong groups or a resident B (the post-norm kernel's: a CTA loops over row blocks there, one tile a CTA here)")
+    if cfg.resident:
+        found.append("a resident B (the post-norm kernel's, for short K: here B streams through the ring)")
+    if cfg.pingpong and (cfg.bm != 64 or cfg.wg_n != 1):
+        found.append(f"ping-pong with {cfg.bm} x {cfg.bn} tiles of {cfg.wg_n} column warpgroups (one warpgroup a tile: bm = 64, wg_n = 1)")
+    if persistent(cfg) and (cfg.producer_warps or cfg.ctas_per_sm != 1):
+        found.append("persistent CTAs with producer warps or two CTAs an SM (persistent CTAs are one an SM, with a producer warpgroup)")
     return found + cfg.problems(_padded(m, cfg.bm), n, k, spec.dtype)
 
 
@@ -160,12 +164,20 @@ def default_config(m: int, n: int, k: int, dtype: str = "float16") -> WgmmaConfi
     return best[1] if best else None
 
 
+def persistent(cfg: WgmmaConfig) -> bool:
+    """Whether the kernel's CTAs loop over tiles (ping-pong groups always do)."""
+    return cfg.persistent or cfg.pingpong
+
+
 def stages_output(spec: Elementwise, cfg: WgmmaConfig) -> bool:
-    """Whether the output can leave by TMA stores (:mod:`.staged_store`), staged in the ring's
-    shared memory once every consumer warpgroup's mainloop is done: a row-major output (not a
-    head layout, whose elements do not form boxes) of whole 128-byte boxes that fits the ring."""
-    return (not spec.layout and cfg.wg_n == 1 and cfg.wg_cols % box_cols(spec.out_dtype) == 0
-            and staged_bytes(cfg.bm, cfg.bn, spec.out_dtype) <= cfg.smem_bytes)
+    """Whether the output can leave by TMA stores (:mod:`.staged_store`): a row-major output (not
+    a head layout, whose elements do not form boxes) of whole 128-byte boxes, staged in the
+    ring's shared memory once every consumer warpgroup's mainloop is done (one tile a CTA), or,
+    where CTAs loop over tiles and the ring is never free, in a buffer of each consumer
+    warpgroup's own beside it."""
+    fits = (cfg.smem_bytes + staged_bytes(64 * cfg.consumers, cfg.wg_cols, spec.out_dtype) <= cfg.smem_limit if persistent(cfg)
+            else staged_bytes(cfg.bm, cfg.bn, spec.out_dtype) <= cfg.smem_bytes)
+    return not spec.layout and cfg.wg_n == 1 and cfg.wg_cols % box_cols(spec.out_dtype) == 0 and fits
 
 
 def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(), cfg: WgmmaConfig | None = None, lead=None,
@@ -186,7 +198,7 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
     bm, bn, acc_n = cfg.bm, cfg.bn, cfg.wg_cols // 2
     ragged = m % bm != 0
     produce, consume = mainloop(cfg, k, spec.dtype)
-    init = Ring(cfg.stages, cfg.consumers).init()
+    init = Ring(cfg.stages, cfg.slot_readers).init()
     producer, consumer = roles(cfg)
     maps = {"x": tensor_map(m, k, box_rows(bm), cfg.bk, spec.dtype), "w": tensor_map(n, k, box_rows(bn), cfg.bk, spec.dtype)}
     staged = stages_output(spec, cfg) if stage is None else stage
@@ -204,6 +216,18 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
     def at(row, col):
         """Where ``(row, col)`` of the GEMM's result lies in the output (Python, at parse time)."""
         return (layout_offset(spec.layout, row, col),) if spec.layout else (row, col)
+
+    @T.macro
+    def register_store(out, P, acc, tw, row0, col0):  # each thread its accumulators, from (row0, col0) of the result
+        for q in T.unroll(acc_n // 2):  # accumulators 2q, 2q + 1: one row's adjacent columns
+            for j in T.vectorized(2):
+                lrow, lcol = T.meta_var(fragment(tw, 2 * q + j))
+                row, col = T.meta_var((row0 + lrow, col0 + lcol))
+                if ragged:  # the last row tile's rows past M: computed on TMA's zeros, not stored
+                    if row < m:
+                        out[at(row, col)] = epilogue_value(spec, P, acc[2 * q + j], row, col)
+                else:
+                    out[at(row, col)] = epilogue_value(spec, P, acc[2 * q + j], row, col)
 
     @T.macro
     def body(x_map, w_map, out_map, P, out):
@@ -240,15 +264,71 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
         else:
             consumer()
             consume(S, S, full, empty, acc, da, db, wg - 1, tw, 0)
-            for q in T.unroll(acc_n // 2):  # accumulators 2q, 2q + 1: one row's adjacent columns
-                for j in T.vectorized(2):
-                    lrow, lcol = T.meta_var(fragment(tw, 2 * q + j))
-                    row, col = T.meta_var((bx * bm + (wg - 1) // cfg.wg_n * 64 + lrow, by * bn + (wg - 1) % cfg.wg_n * cfg.wg_cols + lcol))
-                    if ragged:  # the last row tile's rows past M: computed on TMA's zeros, not stored
-                        if row < m:
-                            out[at(row, col)] = epilogue_value(spec, P, acc[2 * q + j], row, col)
-                    else:
-                        out[at(row, col)] = epilogue_value(spec, P, acc[2 * q + j], row, col)
+            register_store(out, P, acc, tw, bx * bm + (wg - 1) // cfg.wg_n * 64, by * bn + (wg - 1) % cfg.wg_n * cfg.wg_cols)
+
+    # persistent CTAs: one an SM, tiles t = bx, bx + grid, ... (row tile t % tiles_m: a wave's CTAs
+    # share a few column slices of w); each consumer warpgroup stages into a buffer of its own
+    tiles_m, kt = _padded(m, bm) // bm, k // cfg.bk
+    tiles = tiles_m * (n // bn)
+    grid = min(tiles, SM_COUNT)
+    ring_elems = cfg.stages * (bm + bn) * cfg.bk
+    loop_store = staged_store(cfg.wg_cols, spec.out_dtype,
+                              lambda P, v, row, col: epilogue_value(spec, P, v, T.min(row, m - 1) if ragged else row, col), buffers=1)
+
+    @T.macro
+    def finish(out_map, O, P, out, acc, cw, tw, t):  # consumer warpgroup cw of tile t: its chain, and its stores
+        row0 = T.meta_var(t % tiles_m * bm + cw // cfg.wg_n * 64)
+        col0 = T.meta_var(t // tiles_m * bn + cw % cfg.wg_n * cfg.wg_cols)
+        if staged:
+            loop_store(out_map, O, P, acc, cw, tw, row0, col0, 0)
+        else:
+            register_store(out, P, acc, tw, row0, col0)
+
+    @T.macro
+    def loop_body(x_map, w_map, out_map, P, out):
+        bx = T.cta_id([grid])
+        wg = T.warpgroup_id([cfg.consumers + 1])
+        tw = T.thread_id_in_wg([128])
+        # one dynamic buffer (tirx allows one): the ring (per slot the A tile's bm rows, then B's
+        # bn), then each consumer warpgroup's staging buffer (1 KiB aligned: the ring's slots are)
+        flat = T.alloc_shared([ring_elems + (staged_bytes(64 * cfg.consumers, cfg.wg_cols, spec.out_dtype) // 2 if staged else 0)],
+                              spec.dtype, scope="shared.dyn", align=1024)
+        S = T.decl_buffer([cfg.stages, bm + bn, cfg.bk], spec.dtype, data=flat.data, scope="shared.dyn")
+        O = T.decl_buffer(buffer_shape(1, cfg.consumers, cfg.wg_cols, spec.out_dtype), spec.out_dtype, data=flat.data,
+                          elem_offset=ring_elems * 2 // size(spec.out_dtype), scope="shared.dyn")
+        full = T.alloc_shared([cfg.stages], "uint64", scope="shared", align=8)
+        empty = T.alloc_shared([cfg.stages], "uint64", scope="shared", align=8)
+        acc = T.alloc_local([acc_n], "float32")
+        da = T.alloc_local([1], "uint64")
+        db = T.alloc_local([1], "uint64")
+        if cfg.pingpong:
+            turn = T.alloc_shared([2], "uint64", scope="shared", align=8)  # [group]: the other group's mainloop is done
+            if wg * 128 + tw == 0:  # before the ring's init: its fence and CTA barrier cover these
+                for j in T.unroll(2):
+                    T.ptx.mbarrier.init.shared.b64(turn.ptr_to([j]), T.uint32(1))
+        init(full, empty, wg * 128 + tw)
+        iters = T.meta_var((tiles - 1 - bx) // grid + 1)  # tiles bx, bx + grid, ...
+        if wg == 0:
+            producer()
+            if tw == 0:
+                for it in T.serial(iters):
+                    produce(x_map, w_map, S, S, full, empty, (bx + it * grid) % tiles_m * bm, (bx + it * grid) // tiles_m * bn, it * kt)
+        else:
+            consumer()
+            if cfg.pingpong:  # warpgroup wg takes the CTA's tiles wg - 1, wg + 1, ...: its mainloops alternate with the other's
+                for j in T.serial((iters + 2 - wg) // 2):
+                    if j + wg - 2 >= 0:  # the other group's previous tile has left the ring
+                        T.cuda.mbarrier_wait(turn.ptr_to([wg - 1]), (j + wg - 2) % 2)
+                    consume(S, S, full, empty, acc, da, db, 0, tw, (wg - 1 + 2 * j) * kt)
+                    if tw == 0:
+                        T.ptx.mbarrier.arrive.shared.b64(turn.ptr_to([2 - wg]), T.uint32(1))
+                    finish(out_map, O, P, out, acc, wg - 1, tw, bx + (wg - 1 + 2 * j) * grid)
+            else:
+                for it in T.serial(iters):
+                    consume(S, S, full, empty, acc, da, db, wg - 1, tw, it * kt)
+                    finish(out_map, O, P, out, acc, wg - 1, tw, bx + it * grid)
+            if staged:
+                wait_stores(tw)
 
     # the parameter list depends on the operands: the signature is generated, the body is the macro above
     signature = [("x", (*lead, k), spec.dtype, (m, k)), ("w", (n, k), spec.dtype, None)]
@@ -261,5 +341,5 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
     lines += [f"    {p} = T.decl_buffer({view}, {dt!r}, data={p}_p.data)" if view else f"    {p} = {p}_p" for p, _, dt, view in signature[2:]]
     operands = ", ".join(f"p{j}" for j in range(len(spec.operands)))
     lines += [f"    body(x_map, w_map, {'out_map' if staged else 'None'}, ({operands}{',' if operands else ''}), out)"]
-    return tvm.script.from_source("@T.prim_func\n" + "\n".join(lines),
-                                  extra_vars={"T": T, "body": body, **{f"encode_{p}": enc for p, enc in maps.items()}})
+    return tvm.script.from_source("@T.prim_func\n" + "\n".join(lines), extra_vars={
+        "T": T, "body": loop_body if persistent(cfg) else body, **{f"encode_{p}": enc for p, enc in maps.items()}})

@@ -89,6 +89,11 @@ class WgmmaConfig:
     #: over them: :mod:`.wgmma_postnorm`'s resident W), their mainloops in turn, so one group's
     #: epilogue runs beside the other's mainloop (CUTLASS's "ping-pong" schedule).
     pingpong: bool = False
+    #: CTAs are persistent: one an SM, each looping over tiles ``bx, bx + grid, ...`` through one
+    #: ring, so the producer loads the next tile's K steps while the consumers finish this one
+    #: (no fill of an empty ring a tile, no launch a tile). Implied by ``pingpong`` outside the
+    #: post-norm kernel (:mod:`.wgmma_elementwise`).
+    persistent: bool = False
 
     @property
     def slot_readers(self) -> int:

@@ -338,6 +338,8 @@ def problems(m, n, k, spec: PostNorm, cfg: WgmmaConfig | None = None, stage: boo
     if cfg.pingpong and (not cfg.resident or cfg.bm != 64 or cfg.wg_n != 1):
         found.append(f"{cfg}: ping-pong consumer warpgroups take alternate row blocks of a resident W, 64 rows and the "
                      f"whole slice each (resident, bm = 64, wg_n = 1)")
+    if cfg.persistent:
+        found.append("persistent = True (this kernel's CTAs loop over row blocks with a resident W: resident = True)")
     return found + cfg.problems(m, n, k, spec.dtype)
 
 
