@@ -318,15 +318,63 @@ def test_wgmma_mainloop_compiles_to_wgmma_for_sm90a(dtype, cfg):
     assert codegen.compile_with_nvcc(source, "sm_90a")[:4] == b"\x7fELF"
 
 
+def _ffn1(dtype="float16"):
+    """BERT's FFN1 chain for the GEMM + elementwise kernel: fp32 bias, GELU, back to ``dtype``."""
+    from tvm_comfuse.schedule import wgmma_elementwise as we  # pylint: disable=import-outside-toplevel
+    from tvm_comfuse.schedule.chain import Step  # pylint: disable=import-outside-toplevel
+
+    return we.Elementwise(dtype, (Step("cast", dtype), Step("cast", "float32"), Step("add", "float32", 0), Step("gelu", "float32"),
+                                  Step("cast", dtype)), (("float32", False),), dtype)
+
+
+@pytest.mark.parametrize("cfg, staged", [(dict(bm=64, bn=256, stages=3, bk=64, pingpong=True), True),
+                                         (dict(bm=128, bn=256, stages=3, bk=64, persistent=True), True),
+                                         (dict(bm=64, bn=256, stages=4, bk=64, pingpong=True), False)])
+def test_wgmma_elementwise_persistent_ctas_stage_in_buffers_of_their_own(cfg, staged):
+    """Persistent CTAs (session 16) loop over tiles through one ring that is never free, so each
+    consumer warpgroup stages its output in a buffer of its own beside the ring and, before
+    rewriting it, waits until its last TMA store has read it; no thread stores to global memory.
+    Where ring and buffers do not fit together the accumulators leave from registers instead.
+    Ping-pong groups take turns on two more mbarriers. Each compiles for sm_90a without spills
+    and reads no accumulator before the last wgmma wait."""
+    from tvm_comfuse.schedule import wgmma_elementwise as we, wgmma_mainloop as wm  # pylint: disable=import-outside-toplevel
+
+    spec, c = _ffn1(), wm.WgmmaConfig(**cfg)
+    assert we.problems(4100, 3072, 768, spec, c) == [] and we.stages_output(spec, c) == staged
+    source = codegen.cuda_source(wm.build(we.wgmma_elementwise(4100, 3072, 768, spec, c)))
+    ptx = codegen.compile_with_nvcc(source, "sm_90a", fmt="ptx").decode()
+    body = ptx[ptx.index(".entry"):]
+    assert ("cp.async.bulk.wait_group.read 0" in body) == staged and ("st.global" in body) != staged
+    assert body.count("mbarrier.init.shared.b64") == 2 * c.stages + (2 if c.pingpong else 0)
+    assert codegen.ptxas_usage(source)["spill"] == 0
+    if codegen.nvdisasm() is not None:
+        assert codegen.wgmma_hazards(codegen.sass(codegen.compile_with_nvcc(source, "sm_90a"))) == []
+
+
+def test_wgmma_elementwise_refuses_what_persistent_ctas_cannot_run():
+    """Ping-pong groups are one warpgroup of 64 rows; persistent CTAs run one an SM with a
+    producer warpgroup; the resident B is the post-norm kernel's. Each refusal names the knob."""
+    from tvm_comfuse.errors import ComFuseError  # pylint: disable=import-outside-toplevel
+    from tvm_comfuse.schedule import wgmma_elementwise as we, wgmma_mainloop as wm  # pylint: disable=import-outside-toplevel
+
+    for cfg, words in ((dict(bm=128, bn=128, stages=3, pingpong=True), "one warpgroup a tile"),
+                       (dict(bm=64, bn=256, stages=2, bk=32, persistent=True, ctas_per_sm=2, producer_warps=1), "one an SM"),
+                       (dict(bm=64, bn=256, stages=2, resident=True), "resident B")):
+        found = we.problems(4096, 3072, 768, _ffn1(), wm.WgmmaConfig(**cfg))
+        assert any(words in f for f in found), (cfg, found)
+        with pytest.raises(ComFuseError, match=words):
+            we.wgmma_elementwise(4096, 3072, 768, _ffn1(), wm.WgmmaConfig(**cfg))
+
+
 @pytest.mark.parametrize("kernel", ["gemm", "gemm_one_step", "postnorm_768", "postnorm_768_bk32", "postnorm_512_cluster",
                                     "postnorm_1024", "rms_norm", "b2b", "b2b_bm64", "b2b_persistent", "postnorm_resident",
-                                    "postnorm_two_rounds", "postnorm_2ctas", "postnorm_pingpong"])
+                                    "postnorm_two_rounds", "postnorm_2ctas", "postnorm_pingpong", "elementwise_pingpong"])
 def test_wgmma_kernels_read_accumulators_only_after_the_last_wait(kernel):
     """No SASS instruction touches a wgmma accumulator while a wgmma group may still write it.
     ptxas hoists epilogue arithmetic above the final ``wait_group 0`` when the K loop leaves a
     group in flight: session 8's post-norm kernels were wrong on the H200 that way (max error ~1)
     while their PTX was in order; the mainloop's last step, issued outside the loop, prevents it."""
-    from tvm_comfuse.schedule import wgmma_b2b as wb, wgmma_mainloop as wm, wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
+    from tvm_comfuse.schedule import wgmma_b2b as wb, wgmma_elementwise as we, wgmma_mainloop as wm, wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
 
     if codegen.nvdisasm() is None:
         pytest.fail("nvdisasm is missing: pip install nvidia-cuda-nvdisasm (the test extra)")
@@ -345,6 +393,7 @@ def test_wgmma_kernels_read_accumulators_only_after_the_last_wait(kernel):
         "postnorm_two_rounds": lambda: wp.wgmma_postnorm(4096, 768, 768, ln, one_round=False, params=False),
         "postnorm_2ctas": lambda: wp.wgmma_postnorm(4096, 1024, 256, ln, wm.WgmmaConfig(64, 256, 3, 32, 2, ctas_per_sm=2, producer_warps=1)),
         "postnorm_pingpong": lambda: wp.wgmma_postnorm(16384, 768, 256, ln, wm.WgmmaConfig(64, 192, 4, 64, 1, 1, True, pingpong=True)),
+        "elementwise_pingpong": lambda: we.wgmma_elementwise(4096, 4096, 1024, _ffn1(), wm.WgmmaConfig(64, 256, 7, 32, pingpong=True)),
     }[kernel]()
     sass = codegen.sass(codegen.compile_with_nvcc(codegen.cuda_source(wm.build(func)), "sm_90a"))
     assert "HGMMA" in sass

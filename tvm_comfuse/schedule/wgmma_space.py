@@ -56,14 +56,19 @@ def configs(m: int, n: int, k: int, spec: PostNorm) -> list[WgmmaConfig]:
 def elementwise_configs(m: int, n: int, k: int, spec: we.Elementwise) -> list[WgmmaConfig]:
     """The GEMM + elementwise kernel's configurations for ``m x n x k``: its tiles
     (:data:`~.wgmma_elementwise.TILES`, one consumer warpgroup a 64-row slice), ring depths and
-    K steps, the untuned default first (none where the kernel cannot take the shape)."""
+    K steps, one tile a CTA or persistent CTAs (with ping-pong warpgroups where a tile is one
+    warpgroup's), the untuned default first (none where the kernel cannot take the shape)."""
     default = we.default_config(m, n, k, spec.dtype)
     if default is None or we.problems(m, n, k, spec, default):
         return []
     found = [default]
-    for (bm, bn), stages, bk in itertools.product(we.TILES, STAGES, K_STEPS):
-        cfg = WgmmaConfig(bm=bm, bn=bn, stages=stages, bk=bk)
-        if cfg not in found and not we.problems(m, n, k, spec, cfg):
+    schedules = ((False, False), (True, False), (False, True))  # (persistent, pingpong)
+    for (bm, bn), stages, bk, (persistent, pingpong) in itertools.product(we.TILES, STAGES, K_STEPS, schedules):
+        cfg = WgmmaConfig(bm=bm, bn=bn, stages=stages, bk=bk, persistent=persistent, pingpong=pingpong)
+        # a persistent ring that leaves no room for its staging buffers stores from registers (34%
+        # slower for FFN1 on the H200, session 15): left out where the output could be staged
+        spilled = (persistent or pingpong) and not spec.layout and not we.stages_output(spec, cfg)
+        if cfg not in found and not spilled and not we.problems(m, n, k, spec, cfg):
             found.append(cfg)
     return found
 
