@@ -260,7 +260,7 @@ def test_elementwise_groups_are_tasks_with_the_opt_in_group():
     assert () in layouts and any(lay and lay[1] == (0, 2, 3, 1) for lay in layouts)
     desc = hopper.description_of(ew[0].mod)
     space = desc.configs()
-    assert space[0] == we.default_config(*desc.mnk, desc.spec.dtype) and len(set(space)) == len(space) > 1
+    assert space[0] == we.default_config(*desc.mnk, desc.spec) and len(set(space)) == len(space) > 1
     ctx = ms.TuneContext(mod=ew[0].mod, target=target, space_generator=hopper.space(target), task_name="t", num_threads=1)
     assert [hopper.config_of(s.trace) for s in ctx.generate_design_space()] == space
 

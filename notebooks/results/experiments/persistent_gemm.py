@@ -76,7 +76,7 @@ def main():
             line += f" {name} {rows[-1]['kernel_us']:.1f}"
         print(line, flush=True)
         out = torch.empty(m, n, device="cuda", dtype=torch.float16)
-        cfgs = [we.default_config(m, n, k)] + [deepest(m, n, k, spec, *v) for v in VARIANTS]
+        cfgs = [we.default_config(m, n, k, spec)] + [deepest(m, n, k, spec, *v) for v in VARIANTS]
         for cfg in dict.fromkeys(c for c in cfgs if c is not None):
             row = measure(dict(base, contender="wgmma_elementwise", config=dataclasses.asdict(cfg), default=cfg == cfgs[0]),
                           lambda c=cfg: we.wgmma_elementwise(m, n, k, spec, c), inputs, out, ref)
