@@ -19,6 +19,15 @@ mainloop is done (session 15: FFN1's 25 MB of output went out as 4-byte pieces o
 warp store before); head layouts, whose elements do not form boxes, by each thread's stores.
 Written in sessions 14 and 15 on CPU, first run on the H200 in session 15: FFN1 48.1 us against
 eager's 48.2 (73.3 with the register stores; ``notebooks/results/session15-h200-2026-12-05/``).
+
+Where the tiles take more than one wave, the CTAs are persistent (``WgmmaConfig.persistent``,
+session 16): one an SM, each looping over tiles ``bx, bx + grid, ...`` through one ring, so the
+producer loads the next tile's K steps while the consumers run this tile's chain and stores;
+each consumer warpgroup then stages its output in a buffer of its own beside the ring. On the
+H200 that took FFN1 4-6% off (``experiments/persistent_gemm.py``). ``pingpong`` has the two
+consumer warpgroups take alternate 64-row tiles, mainloops in turn, so one's epilogue runs
+beside the other's wgmmas; measured slower at every shape there (a 64-row tile reads its W
+slice from L2 twice as often; 1.35x at 4096^3), it is an opt-in knob.
 """
 
 from __future__ import annotations
