@@ -236,19 +236,23 @@ def _raise(err):
     return fn
 
 
-def _time_all(torch, names, row, torch_fns, mod, args, ref, target, log) -> list:
+def _time_all(torch, names, row, torch_fns, mod, args, ref, target, log, logs=None) -> list:
     """Time each contender of ``names`` on one case: PyTorch's from ``torch_fns`` (name ->
     ``(run, run_and_return_output)``), the others by compiling ``mod`` (vanilla TVM's
-    ``tvm_dlight``; ComFuse's default pipeline, or with every Hopper kernel for
-    ``comfuse_hopper_all``) and running it on ``args``; ``row(name)`` is the case's empty Row."""
+    ``tvm_dlight``; ComFuse's default pipeline, with every Hopper kernel for
+    ``comfuse_hopper_all``, or with the tuning logs ``logs`` for ``comfuse_tuned``, skipped
+    without them) and running it on ``args``; ``row(name)`` is the case's empty Row."""
     rows = []
     for contender in names:
         if contender in torch_fns:
             rows.append(_timed(torch, row(contender), *torch_fns[contender], ref, TOLERANCE["float16"], log))
             continue
+        if contender == "comfuse_tuned" and logs is None:
+            continue
         try:
             groups = HOPPER_GROUPS if contender == "comfuse_hopper_all" else None
-            fn, fn_out = _tvm_callable(torch, mod, args, contender != "tvm_dlight", target, hopper_groups=groups)
+            fn, fn_out = _tvm_callable(torch, mod, args, contender != "tvm_dlight", target, logs if contender == "comfuse_tuned" else None,
+                                       hopper_groups=groups)
         except Exception as err_:  # pylint: disable=broad-except
             fn, fn_out = _raise(err_), None
         rows.append(_timed(torch, row(contender), fn, fn_out, ref, TOLERANCE["float16"], log))
@@ -295,7 +299,8 @@ def run_mlp(widths, which=CONTENDERS, log=print) -> list:
     intermediate width and each of :data:`workloads.MLP_TOKENS` tokens, model width
     :data:`workloads.MLP_WIDTH`: eager (two cuBLAS GEMMs with their bias epilogues and a GELU
     kernel), torch.compile, vanilla TVM, ComFuse's default pipeline (two GEMM kernels) and
-    ComFuse with every Hopper kernel (``comfuse_hopper_all``: the pair as one b2b kernel)."""
+    ComFuse with every Hopper kernel (``comfuse_hopper_all``: the pair as one b2b kernel), and
+    ComFuse with the shipped logs of ``comfuse tune mlp-<tokens>-<N1>`` where they exist."""
     import torch  # pylint: disable=import-outside-toplevel
     import tvm  # pylint: disable=import-outside-toplevel
 
@@ -314,9 +319,10 @@ def run_mlp(widths, which=CONTENDERS, log=print) -> list:
             if "inductor" in which:
                 compiled = torch.compile(eager, dynamic=False)
                 contenders["inductor"] = (compiled, compiled)
-            names = [c for c in ("eager", "inductor", "tvm_dlight", "comfuse", "comfuse_hopper_all") if c in which]
+            names = [c for c in ("eager", "inductor", "tvm_dlight", "comfuse", "comfuse_tuned", "comfuse_hopper_all") if c in which]
             row = lambda c, m=m, n1=n1: Row(f"mlp-{m}x{d}-{n1}", m, d, d, f"mlp{n1}", "float16", c)  # noqa: E731
-            rows += _time_all(torch, names, row, contenders, workloads.mlp(m, d, n1, d), args, ref, target, log)
+            rows += _time_all(torch, names, row, contenders, workloads.mlp(m, d, n1, d), args, ref, target, log,
+                              tuned_logs(f"mlp-{m}-{n1}"))
     return rows
 
 
