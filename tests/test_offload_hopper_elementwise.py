@@ -283,3 +283,27 @@ def test_rewrite_agrees_with_vanilla_on_the_fuzz_family():
         taken += bool(calls)
         heads += bool(calls) and any(op[0] == "heads" for op in case.ops)
     assert taken >= 20 and heads >= 5
+
+
+@pytest.mark.parametrize("cfg", [wm.WgmmaConfig(128, 256, 3, 64, persistent=True), wm.WgmmaConfig(64, 256, 3, 64, pingpong=True),
+                                 wm.WgmmaConfig(128, 128, 3, 64, wg_n=2, persistent=True)])
+@pytest.mark.parametrize("m, n", [(4100, 3072), (1000, 768), (64, 256), (8192, 4096)])
+def test_persistent_ctas_compute_every_tile_once(cfg, m, n):
+    """The persistent kernel's walk (``tile_walk``, ``tile_origin``: the definitions its loops
+    are generated from), replayed in Python over every CTA and consumer warpgroup: each 64-row
+    part of each tile is computed exactly once, whatever the CTAs' tile counts (odd, even, one)
+    and the row tiles past M. Session 16's first ping-pong kernel wrote its second group's
+    tiles 64 rows low (NaN rows on the H200): this walk would have counted them twice."""
+    tiles_m = -(-m // cfg.bm)
+    tiles = tiles_m * (n // cfg.bn)
+    grid = min(tiles, wp.SM_COUNT)
+    done = {}
+    for bx in range(grid):
+        iters = (tiles - 1 - bx) // grid + 1
+        for wg in range(1, cfg.consumers + 1):
+            first, step, cw = we.tile_walk(cfg, wg)
+            for j in range((iters - first + step - 1) // step):
+                origin = we.tile_origin(cfg, tiles_m, bx + (first + step * j) * grid, cw)
+                done[origin] = done.get(origin, 0) + 1
+    parts = {(r, c) for r in range(0, tiles_m * cfg.bm, 64) for c in range(0, n, cfg.wg_cols)}
+    assert set(done) == parts and set(done.values()) == {1}

@@ -193,6 +193,23 @@ def persistent(cfg: WgmmaConfig) -> bool:
     return cfg.persistent or cfg.pingpong
 
 
+def tile_walk(cfg: WgmmaConfig, wg):
+    """How consumer warpgroup ``wg`` (from 1; an int, or the kernel's warpgroup index) of a
+    persistent CTA walks the CTA's tiles: ``(first, step, cw)``, taking the CTA's tiles ``first,
+    first + step, ...`` (of ``bx, bx + grid, ...``) as warpgroup ``cw`` of each. Ping-pong
+    groups take alternate tiles whole; otherwise every warpgroup takes every tile, its own part
+    of it. One definition for the kernel's loops and the CPU test that every tile is computed
+    once (session 16's first ping-pong kernel wrote its second group's tiles 64 rows low)."""
+    return (wg - 1, 2, 0) if cfg.pingpong else (0, 1, wg - 1)
+
+
+def tile_origin(cfg: WgmmaConfig, tiles_m: int, t, cw):
+    """``(row, col)`` of warpgroup ``cw``'s ``64 x wg_cols`` part of tile ``t`` of a persistent
+    kernel (tiles numbered down the ``tiles_m`` row tiles first: a wave's CTAs share a few column
+    slices of w). Integers or TIR expressions alike."""
+    return t % tiles_m * cfg.bm + cw // cfg.wg_n * 64, t // tiles_m * cfg.bn + cw % cfg.wg_n * cfg.wg_cols
+
+
 def stages_output(spec: Elementwise, cfg: WgmmaConfig) -> bool:
     """Whether the output can leave by TMA stores (:mod:`.staged_store`): a row-major output (not
     a head layout, whose elements do not form boxes) of whole 128-byte boxes, staged in the
@@ -290,8 +307,8 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
             consume(S, S, full, empty, acc, da, db, wg - 1, tw, 0)
             register_store(out, P, acc, tw, bx * bm + (wg - 1) // cfg.wg_n * 64, by * bn + (wg - 1) % cfg.wg_n * cfg.wg_cols)
 
-    # persistent CTAs: one an SM, tiles t = bx, bx + grid, ... (row tile t % tiles_m: a wave's CTAs
-    # share a few column slices of w); each consumer warpgroup stages into a buffer of its own
+    # persistent CTAs: one an SM, tiles t = bx, bx + grid, ... (tile_walk, tile_origin); each
+    # consumer warpgroup stages into a buffer of its own
     tiles_m, kt = _padded(m, bm) // bm, k // cfg.bk
     tiles = tiles_m * (n // bn)
     grid = min(tiles, SM_COUNT)
@@ -300,11 +317,8 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
                               lambda P, v, row, col: epilogue_value(spec, P, v, T.min(row, m - 1) if ragged else row, col), buffers=1)
 
     @T.macro
-    def finish(out_map, O, P, out, acc, slot, cw, tw, t):
-        # warpgroup cw of tile t's (0 in a ping-pong group), staging in buffer `slot` (its own):
-        # the chain, and the stores
-        row0 = T.meta_var(t % tiles_m * bm + cw // cfg.wg_n * 64)
-        col0 = T.meta_var(t // tiles_m * bn + cw % cfg.wg_n * cfg.wg_cols)
+    def finish(out_map, O, P, out, acc, slot, cw, tw, t):  # warpgroup cw's part of tile t, staged in buffer `slot`
+        row0, col0 = T.meta_var(tile_origin(cfg, tiles_m, t, cw))
         if staged:
             loop_store(out_map, O, P, acc, slot, tw, row0, col0, 0)
         else:
@@ -341,18 +355,16 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
                     produce(x_map, w_map, S, S, full, empty, (bx + it * grid) % tiles_m * bm, (bx + it * grid) // tiles_m * bn, it * kt)
         else:
             consumer()
-            if cfg.pingpong:  # warpgroup wg takes the CTA's tiles wg - 1, wg + 1, ...: its mainloops alternate with the other's
-                for j in T.serial((iters + 2 - wg) // 2):
-                    if j + wg - 2 >= 0:  # the other group's previous tile has left the ring
+            first, step, cw = T.meta_var(tile_walk(cfg, wg))
+            for j in T.serial((iters - first + step - 1) // step):
+                if cfg.pingpong:  # the groups' mainloops alternate: wait until the other's previous tile has left the ring
+                    if j + wg - 2 >= 0:
                         T.cuda.mbarrier_wait(turn.ptr_to([wg - 1]), (j + wg - 2) % 2)
-                    consume(S, S, full, empty, acc, da, db, 0, tw, (wg - 1 + 2 * j) * kt)
+                consume(S, S, full, empty, acc, da, db, cw, tw, (first + step * j) * kt)
+                if cfg.pingpong:
                     if tw == 0:
                         T.ptx.mbarrier.arrive.shared.b64(turn.ptr_to([2 - wg]), T.uint32(1))
-                    finish(out_map, O, P, out, acc, wg - 1, 0, tw, bx + (wg - 1 + 2 * j) * grid)
-            else:
-                for it in T.serial(iters):
-                    consume(S, S, full, empty, acc, da, db, wg - 1, tw, it * kt)
-                    finish(out_map, O, P, out, acc, wg - 1, wg - 1, tw, bx + it * grid)
+                finish(out_map, O, P, out, acc, wg - 1, cw, tw, bx + (first + step * j) * grid)
             if staged:
                 wait_stores(tw)
 
