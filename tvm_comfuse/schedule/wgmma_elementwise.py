@@ -352,7 +352,8 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
             producer()
             if tw == 0:
                 for it in T.serial(iters):
-                    produce(x_map, w_map, S, S, full, empty, (bx + it * grid) % tiles_m * bm, (bx + it * grid) // tiles_m * bn, it * kt)
+                    row, col = T.meta_var(tile_origin(cfg, tiles_m, bx + it * grid, 0))
+                    produce(x_map, w_map, S, S, full, empty, row, col, it * kt)
         else:
             consumer()
             first, step, cw = T.meta_var(tile_walk(cfg, wg))
