@@ -210,13 +210,19 @@ def tile_origin(cfg: WgmmaConfig, tiles_m: int, t, cw):
     return t % tiles_m * cfg.bm + cw // cfg.wg_n * 64, t // tiles_m * cfg.bn + cw % cfg.wg_n * cfg.wg_cols
 
 
+def own_buffers_bytes(spec: Elementwise, cfg: WgmmaConfig) -> int:
+    """Shared memory of a persistent kernel's staging buffers, one ``64 x wg_cols`` tile of the
+    output for each consumer warpgroup, beside the ring."""
+    return staged_bytes(64 * cfg.consumers, cfg.wg_cols, spec.out_dtype)
+
+
 def stages_output(spec: Elementwise, cfg: WgmmaConfig) -> bool:
     """Whether the output can leave by TMA stores (:mod:`.staged_store`): a row-major output (not
     a head layout, whose elements do not form boxes) of whole 128-byte boxes, staged in the
     ring's shared memory once every consumer warpgroup's mainloop is done (one tile a CTA), or,
     where CTAs loop over tiles and the ring is never free, in a buffer of each consumer
     warpgroup's own beside it."""
-    fits = (cfg.smem_bytes + staged_bytes(64 * cfg.consumers, cfg.wg_cols, spec.out_dtype) <= cfg.smem_limit if persistent(cfg)
+    fits = (cfg.smem_bytes + own_buffers_bytes(spec, cfg) <= cfg.smem_limit if persistent(cfg)
             else staged_bytes(cfg.bm, cfg.bn, spec.out_dtype) <= cfg.smem_bytes)
     return not spec.layout and cfg.wg_n == 1 and cfg.wg_cols % box_cols(spec.out_dtype) == 0 and fits
 
@@ -250,8 +256,8 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
         maps["out"] = tensor_map(m, n, 64, box_cols(spec.out_dtype), spec.out_dtype)
     sync = consumer_sync(cfg)
     # rows past M (the last tile's, on TMA's zeros) read a tile operand at row M - 1; the TMA store clips them
-    store = staged_store(cfg.wg_cols, spec.out_dtype,
-                         lambda P, v, row, col: epilogue_value(spec, P, v, T.min(row, m - 1) if ragged else row, col))
+    staged_value = lambda P, v, row, col: epilogue_value(spec, P, v, T.min(row, m - 1) if ragged else row, col)  # noqa: E731
+    store = staged_store(cfg.wg_cols, spec.out_dtype, staged_value)
     wait_stores = drain()
 
     def at(row, col):
@@ -313,8 +319,7 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
     tiles = tiles_m * (n // bn)
     grid = min(tiles, SM_COUNT)
     ring_elems = cfg.stages * (bm + bn) * cfg.bk
-    loop_store = staged_store(cfg.wg_cols, spec.out_dtype,
-                              lambda P, v, row, col: epilogue_value(spec, P, v, T.min(row, m - 1) if ragged else row, col), buffers=1)
+    loop_store = staged_store(cfg.wg_cols, spec.out_dtype, staged_value, buffers=1)  # a buffer of its own: written once a tile
 
     @T.macro
     def finish(out_map, O, P, out, acc, slot, cw, tw, t):  # warpgroup cw's part of tile t, staged in buffer `slot`
@@ -331,7 +336,7 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
         tw = T.thread_id_in_wg([128])
         # one dynamic buffer (tirx allows one): the ring (per slot the A tile's bm rows, then B's
         # bn), then each consumer warpgroup's staging buffer (1 KiB aligned: the ring's slots are)
-        flat = T.alloc_shared([ring_elems + (staged_bytes(64 * cfg.consumers, cfg.wg_cols, spec.out_dtype) // 2 if staged else 0)],
+        flat = T.alloc_shared([ring_elems + (own_buffers_bytes(spec, cfg) // 2 if staged else 0)],
                               spec.dtype, scope="shared.dyn", align=1024)
         S = T.decl_buffer([cfg.stages, bm + bn, cfg.bk], spec.dtype, data=flat.data, scope="shared.dyn")
         O = T.decl_buffer(buffer_shape(1, cfg.consumers, cfg.wg_cols, spec.out_dtype), spec.out_dtype, data=flat.data,

@@ -67,8 +67,8 @@ def elementwise_configs(m: int, n: int, k: int, spec: we.Elementwise) -> list[Wg
         cfg = WgmmaConfig(bm=bm, bn=bn, stages=stages, bk=bk, persistent=persistent)
         # a persistent ring that leaves no room for its staging buffers stores from registers (34%
         # slower for FFN1 on the H200, session 15): left out where the output could be staged
-        spilled = persistent and not spec.layout and not we.stages_output(spec, cfg)
-        if cfg not in found and not spilled and not we.problems(m, n, k, spec, cfg):
+        register_stores = persistent and not spec.layout and not we.stages_output(spec, cfg)
+        if cfg not in found and not register_stores and not we.problems(m, n, k, spec, cfg):
             found.append(cfg)
     return found
 
