@@ -366,6 +366,35 @@ def test_wgmma_elementwise_refuses_what_persistent_ctas_cannot_run():
             we.wgmma_elementwise(4096, 3072, 768, _ffn1(), wm.WgmmaConfig(**cfg))
 
 
+@pytest.mark.parametrize("m, n, dtype, norm", [(8192, 4096, "float16", "layer_norm"), (1000, 8192, "bfloat16", "rms_norm")])
+def test_split_postnorm_kernels_write_row_statistics_from_the_staged_sum(m, n, dtype, norm):
+    """A post-norm too wide for a cluster (or run split): the GEMM kernel stages the sum (bias,
+    residual) for its TMA stores, reads it back for each row's statistics over the warpgroup's
+    256 columns (quad shuffles; two passes for LayerNorm) and stores only those to global
+    memory, persistent where its tiles take more than a wave; the norm kernel moves the row in
+    16-byte vectors. Both compile for sm_90a without spills; the GEMM reads no accumulator
+    before the last wgmma wait."""
+    from tvm_comfuse.schedule import split_norm as sn, wgmma_mainloop as wm, wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
+
+    spec = wp.PostNorm.suite(dtype, norm)
+    gemm, norm_func, parts = sn.kernels(m, n, 1024, spec)
+    assert parts == n // 256 and sn.config(m, n, 1024, spec).persistent == (m // 128 * n // 256 > 132)
+    source = codegen.cuda_source(wm.build(gemm))
+    body = codegen.compile_with_nvcc(source, "sm_90a", fmt="ptx").decode()
+    body = body[body.index(".entry"):]
+    assert body.count("shfl.sync.bfly.b32") == (8 if norm == "layer_norm" else 4)  # 2 rows x 2 lanes x passes
+    stores = [line for line in body.splitlines() if "st.global" in line]  # the statistics only: 2 rows x 2 values
+    assert len(stores) == 4 and all(".f32" in line or ".u32" in line for line in stores)  # (RMSNorm's second is a 0)
+    assert "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group" in body
+    assert codegen.ptxas_usage(source)["spill"] == 0
+    if codegen.nvdisasm() is not None:
+        assert codegen.wgmma_hazards(codegen.sass(codegen.compile_with_nvcc(source, "sm_90a"))) == []
+    source = codegen.cuda_source(wm.build(norm_func, tir_pipeline="default"))
+    ptx = codegen.compile_with_nvcc(source, "sm_90a", fmt="ptx").decode()
+    assert "ld.global.nc.v4.u32" in ptx and "st.global.v4.u32" in ptx
+    assert codegen.ptxas_usage(source)["spill"] == 0
+
+
 @pytest.mark.parametrize("kernel", ["gemm", "gemm_one_step", "postnorm_768", "postnorm_768_bk32", "postnorm_512_cluster",
                                     "postnorm_1024", "rms_norm", "b2b", "b2b_bm64", "b2b_persistent", "postnorm_resident",
                                     "postnorm_two_rounds", "postnorm_2ctas", "postnorm_pingpong", "elementwise_pingpong"])

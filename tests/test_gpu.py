@@ -254,10 +254,11 @@ def test_gpu_fuzz_regressions(seed):
     assert rec["ok"], rec["error"]
 
 
-@pytest.mark.parametrize("seed", [2, 4, 6, 9, 10])
+@pytest.mark.parametrize("seed", [2, 4, 6, 9, 10, 11])
 def test_gpu_hopper_fuzz_cases_run_on_the_wgmma_kernel_and_agree(seed):
     """Cases of the fuzzer's hopper family (post-norm blocks in fp16/bf16 with a float32 norm)
-    run as the sm_90 wgmma kernel and agree with vanilla TVM's CUDA, NaN/Inf inputs included."""
+    run as the sm_90 wgmma kernels and agree with vanilla TVM's CUDA, NaN/Inf inputs included
+    (seeds 9 and 11: rows of 8192, the split GEMM + norm kernels)."""
     import tvm  # pylint: disable=import-outside-toplevel
 
     from tvm_comfuse.testing import fuzz  # pylint: disable=import-outside-toplevel
@@ -337,6 +338,42 @@ def test_gpu_wgmma_postnorm_matches_torch(M, N, K, dtype, norm, cfg, stage):
     f = torch.nn.functional
     ref = f.layer_norm(y, (N,), g.float(), be.float()) if norm == "layer_norm" else f.rms_norm(y, (N,), g.float(), 1e-5)
     assert (out.float() - ref).abs().max().item() <= TOL[dtype]
+
+
+@pytest.mark.parametrize("M, N, K, dtype, norm, cfg, norm_out", [
+    (8192, 4096, 4096, "float16", "layer_norm", None, False),  # gpt-4k, persistent 128 x 256 tiles
+    (1000, 8192, 1024, "bfloat16", "rms_norm", None, False),  # ragged M, rows no cluster holds
+    (4096, 768, 768, "float16", "layer_norm", None, True),  # 128 x 192 tiles, one a CTA; the float32 norm too
+    (16384, 1024, 256, "float16", "layer_norm", (128, 128, 4, 64, 1, 1, False, 1, 0, False, True), False),
+])
+def test_gpu_split_postnorm_matches_torch(M, N, K, dtype, norm, cfg, norm_out):
+    """The split post-norm (:mod:`tvm_comfuse.schedule.split_norm`): the GEMM kernel writes the
+    sum and each row's statistics over its warpgroups' parts, the norm kernel combines them.
+    Against PyTorch in fp32, the residual's mean far from 0 (a one-pass sum of squares would
+    cancel); the sum the GEMM kernel writes matches too."""
+    import dataclasses  # pylint: disable=import-outside-toplevel
+
+    import tvm  # pylint: disable=import-outside-toplevel
+
+    from tvm_comfuse.schedule import split_norm as sn, wgmma_mainloop as wm, wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
+
+    _need_sm90(tvm)
+    x, w, b, r, g, be = _inputs(M, K, N, dtype, linear=True)
+    r = r + 8
+    spec = dataclasses.replace(wp.PostNorm.suite(dtype, norm), norm_out=norm_out)
+    gemm, norm_func, parts = sn.kernels(M, N, K, spec, cfg and wm.WgmmaConfig(*cfg))
+    y = torch.full((M, N), float("nan"), device="cuda", dtype=x.dtype)
+    stats = torch.full((M, parts, 2), float("nan"), device="cuda")
+    outs = [torch.full((M, N), float("nan"), device="cuda", dtype=dt) for dt in [x.dtype] + ([torch.float32] if norm_out else [])]
+    wm.build(gemm)["main"](*[tvm.runtime.from_dlpack(t) for t in (x, w, b, r, y, stats)])
+    params = (g, be) if norm == "layer_norm" else (g,)  # RMSNorm has no beta
+    wm.build(norm_func, tir_pipeline="default")["main"](*[tvm.runtime.from_dlpack(t) for t in (y, stats, *params, *outs)])
+    s = x.float() @ w.float().T + b.float() + r.float()
+    assert (y.float() - s).abs().max().item() <= 4 * TOL[dtype]  # the sum, of magnitude ~8
+    f = torch.nn.functional
+    ref = f.layer_norm(s, (N,), g.float(), be.float()) if norm == "layer_norm" else f.rms_norm(s, (N,), g.float(), 1e-5)
+    for out in outs:
+        assert (out.float() - ref).abs().max().item() <= TOL[dtype]
 
 
 def _chain_reference(spec, x, w, operands):
@@ -452,6 +489,7 @@ def test_gpu_wgmma_attention_matches_torch(b, h, s, d, dtype, scale_op, masked):
     (4096, 768, 768, "float16", "layer_norm", None), (128, 3072, 768, "float16", "layer_norm", 2),
     (512, 256, 512, "bfloat16", "rms_norm", None), (512, 512, 4096, "float16", "layer_norm", None),
     (8192, 256, 768, "bfloat16", "layer_norm", 2),  # 16384 rows: the resident W's ping-pong groups by default
+    (300, 512, 8192, "float16", "rms_norm", 2),  # rows no cluster holds: the split GEMM + norm kernels
 ])
 def test_gpu_hopper_pipeline_matches_pytorch(M, K, N, dtype, norm, batch):
     """``get_pipeline(..., hopper=True)`` end to end: the post-norm group runs as the wgmma

@@ -2,6 +2,7 @@
 same values (a NumPy model of the kernel in its place, on llvm), and that on sm_90a the group
 becomes the wgmma kernel that nvcc accepts."""
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -12,6 +13,8 @@ from tvm import relax
 import tvm_comfuse as cf
 from tvm_comfuse import codegen, runtime
 from tvm_comfuse import workloads as wl
+from tvm_comfuse.schedule import split_norm as sn
+from tvm_comfuse.schedule import wgmma_elementwise as we
 from tvm_comfuse.schedule import wgmma_postnorm as wp
 from tvm_comfuse.transform import FuseComputeMemory, OffloadHopperPostNorm
 from tvm_comfuse.transform.offload_hopper import match_postnorm
@@ -26,13 +29,24 @@ def _groups(mod, target=SM90A):
 
 
 def _numpy_kernels(calls):
-    """A ``build`` for the pass that registers the kernel's NumPy model under its symbol."""
+    """A ``build`` for the pass that registers the kernel's NumPy model under its symbol: the
+    post-norm kernel's, or a split post-norm's GEMM with row statistics and its norm."""
 
     def build(_func, symbol, spec, _mnk):
         def run(*args):
-            n_out = 2 if spec.norm_out else 1
-            x, w, p0, p1, gamma, *beta = [a.numpy() for a in args[:-n_out]]
-            for t, value in zip(args[-n_out:], wp.reference(spec, x, w, p0, p1, gamma, *beta)):
+            if isinstance(spec, sn.NormKernel):
+                n_out = 2 if spec.spec.norm_out else 1
+                y, stats, gamma, *beta = [a.numpy() for a in args[:-n_out]]
+                values = sn.reference_norm(spec.spec, y, stats, gamma, *beta, lead=y.shape[:-1])
+            elif isinstance(spec, we.Elementwise):  # the split GEMM: y, then its row statistics
+                n_out = 2
+                y = we.reference(spec, *[a.numpy() for a in args[:-2]])
+                values = [y, sn.row_statistics(y, args[-1].shape[1], spec.stats)]
+            else:
+                n_out = 2 if spec.norm_out else 1
+                x, w, p0, p1, gamma, *beta = [a.numpy() for a in args[:-n_out]]
+                values = wp.reference(spec, x, w, p0, p1, gamma, *beta)
+            for t, value in zip(args[-n_out:], values):
                 t.copyfrom(value)
             calls.append(symbol)
 
@@ -138,10 +152,10 @@ def test_offloaded_bert_layer_keeps_both_outputs_of_the_attention_block():
     assert len(got) == len(want) and all(np.abs(g - w).max() <= 5e-2 for g, w in zip(got, want))
 
 
-@pytest.mark.parametrize("kw", [dict(residual_out=True), dict(act="relu"), dict(out_act="relu")])
+@pytest.mark.parametrize("kw", [dict(act="relu"), dict(out_act="relu"), dict(act="relu", residual_out=True)])
 def test_chains_the_kernel_cannot_express_are_left_to_the_rule(kw):
-    """A second output that is not the norm, an activation before the residual, or an op after
-    the norm: the matcher declines, so the gemm_reduce rule keeps the group."""
+    """An activation before the residual, or an op after the norm: the matcher declines, so the
+    gemm_reduce rule keeps the group."""
     _, groups = _groups(wl.post_norm(64, 128, 128, "float16", "layer_norm", linear=True, **kw))
     assert groups and all(match_postnorm(f) is None for f in groups)
 
@@ -187,3 +201,72 @@ def test_rows_too_wide_for_the_rule_are_fused_only_when_the_hopper_kernel_takes_
     relu = wl.post_norm(8192, 4096, 4096, "float16", "layer_norm", linear=True, act="relu")
     (group,) = cf.analyze(relu, SM90A)
     assert not group.fused and "wider than a thread block" in group.note
+
+
+@pytest.mark.parametrize("dtype, norm, batch", [("float16", "layer_norm", None), ("bfloat16", "rms_norm", 2)])
+def test_rows_wider_than_a_cluster_split_into_a_gemm_with_row_statistics_and_a_norm(dtype, norm, batch):
+    """N = 8192 (no cluster holds the row): the group becomes the GEMM kernel writing the sum
+    and each row's statistics over its 256-column parts, then the norm kernel combining them;
+    with both kernels' NumPy models in place the graph gives vanilla TVM's answer (the residual's
+    mean far from 0: a naive sum of squares would cancel)."""
+    mod = wl.post_norm(64 if batch is None else 32, 64, 8192, dtype, norm, linear=True, batch=batch)
+    arrays = _random(mod["main"].params)
+    arrays[3] = (arrays[3].astype(np.float32) + 4).astype(arrays[3].dtype)  # the residual
+    assert wp.problems(64, 8192, 64, wp.PostNorm.suite(dtype, norm))  # the one-kernel post-norm cannot
+    grouped, _ = _groups(mod, "llvm")
+    calls = []
+    offloaded = OffloadHopperPostNorm("llvm", build=_numpy_kernels(calls))(grouped)
+    assert offloaded["main"].script().count("call_dps_packed") == 2
+    (got,), (want,) = _run_llvm(offloaded, arrays), _run_llvm(mod, arrays)
+    assert len(calls) == 2 and calls[0].endswith("_gemm") and calls[1].endswith("_norm")
+    assert np.abs(got - want).max() <= {"float16": 2e-2, "bfloat16": 2e-1}[dtype]
+
+
+def test_the_split_norm_kernel_computes_the_norm_from_the_row_statistics_on_llvm():
+    """The norm kernel's PrimFunc as TVM lowers it (before its GPU schedule, which only moves
+    loops) against the NumPy model, LayerNorm with its float32 second output over 3-D rows."""
+    spec = dataclasses.replace(wp.PostNorm.suite("float16"), norm_out=True)
+    rng = np.random.default_rng(1)
+    y = (rng.standard_normal((2, 48, 1024)) * 3 + 5).astype("float16")
+    stats = sn.row_statistics(y, 4, "layer_norm")
+    gamma, beta = (rng.standard_normal(1024).astype("float16") for _ in range(2))
+    want = sn.reference_norm(spec, y, stats, gamma, beta, lead=(2, 48))
+    lib = tvm.compile(tvm.IRModule({"main": sn.norm_func(96, 1024, 4, spec, lead=(2, 48))}), target="llvm")
+    args = [tvm.runtime.tensor(a) for a in (y, stats, gamma, beta, np.zeros(y.shape, "float16"), np.zeros(y.shape, "float32"))]
+    lib["main"](*args)
+    assert np.abs(args[4].numpy().astype(np.float32) - want[0].astype(np.float32)).max() <= 2e-3
+    assert np.abs(args[5].numpy() - want[1]).max() <= 1e-4
+    full = y.astype(np.float32).reshape(96, 1024)
+    exact = (full - full.mean(1, keepdims=True)) / np.sqrt(full.var(1, keepdims=True) + spec.eps)
+    assert np.abs(args[5].numpy().reshape(96, 1024) - (exact * gamma.astype(np.float32) + beta.astype(np.float32))).max() <= 1e-3
+
+
+@pytest.mark.skipif(not codegen.have_nvcc(), reason="nvcc is not installed")
+def test_sm90a_compile_splits_rows_wider_than_a_cluster():
+    """On sm_90a an RMSNorm over rows of 8192 compiles to the wgmma GEMM kernel writing the
+    row statistics and the norm kernel (nvcc accepts both), where the post-norm kernel alone
+    cannot take it."""
+    ex = runtime.compile_module(wl.post_norm(256, 256, 8192, "bfloat16", "rms_norm", linear=True), SM90A)
+    source = codegen.cuda_source(ex)
+    names = sorted(codegen.kernel_names(source))
+    assert len(names) == 2 and names[0].endswith("_gemm_kernel") and names[1].endswith("_norm_kernel")
+    assert "stats" in source and "wgmma.mma_async" in source
+
+
+@pytest.mark.parametrize("batch", [None, 2])
+def test_a_pre_norm_blocks_residual_stream_comes_from_the_split_gemm(batch):
+    """``(norm(x @ w.T + b + r), x @ w.T + b + r)``: a pre-norm block keeps the sum for its next
+    residual. The one-kernel post-norm cannot write it; the split kernels do (the GEMM kernel
+    writes it anyway), at any width: both outputs match a float64 reference within fp16
+    rounding (vanilla TVM accumulates this GEMM in fp16: it is no reference)."""
+    mod = wl.post_norm(64, 64, 256, "float16", "rms_norm", linear=True, batch=batch, residual_out=True)
+    arrays = _random(mod["main"].params)
+    grouped, groups = _groups(mod, "llvm")
+    (found,) = [match_postnorm(f) for f in groups]
+    assert found[0].sum_out and found[4] == ("out", "sum") and wp.problems(*found[2], found[0])
+    calls = []
+    offloaded = OffloadHopperPostNorm("llvm", build=_numpy_kernels(calls))(grouped)
+    got = _run_llvm(offloaded, arrays)
+    want = wl.post_norm_reference([a.astype(np.float32) for a in arrays], "rms_norm", linear=True, residual_out=True)
+    assert len(calls) == 2 and len(got) == 2
+    assert np.abs(got[0] - want[0]).max() <= 1e-2 and np.abs(got[1] - want[1]).max() <= 1e-2  # a few ulps of values up to ~8

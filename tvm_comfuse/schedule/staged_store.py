@@ -50,6 +50,13 @@ def buffer_shape(buffers: int, warpgroups: int, cols: int, dtype: str) -> list:
     return [buffers, warpgroups, cols // box_cols(dtype), 64, box_cols(dtype)]
 
 
+def staged_at(at, dtype: str) -> tuple:
+    """``(box, row, col)`` of element ``at = (row, col)`` of a warpgroup's ``64 x cols`` tile in
+    its staging buffer: 16-byte chunk ``c`` of a box's row ``r`` at ``c ^ r % 8``."""
+    (lrow, lcol), box, chunk = at, box_cols(dtype), 16 // size(dtype)
+    return lcol // box, lrow, (lcol % box // chunk ^ lrow % 8) * chunk + lcol % chunk
+
+
 def staged_store(cols: int, dtype: str, value, buffers: int = 2):
     """The tirx macro ``store(out_map, O, P, acc, wg, tw, row0, col0, buf)``: thread ``tw`` of
     consumer warpgroup ``wg`` writes ``value(P, acc[i], row, col)`` (Python, at parse time: the
@@ -59,7 +66,7 @@ def staged_store(cols: int, dtype: str, value, buffers: int = 2):
     (encoded with 64-row boxes of :func:`box_cols` columns) by TMA, one bulk group a tile.
     ``cols`` is a multiple of the box columns; ``buffers`` the warpgroup alternates (1: it waits
     until its last store has read the buffer before rewriting it)."""
-    box, chunk = box_cols(dtype), 16 // size(dtype)
+    box = box_cols(dtype)
 
     # pylint: disable=invalid-name
     @T.macro
@@ -70,8 +77,7 @@ def staged_store(cols: int, dtype: str, value, buffers: int = 2):
         for q in T.unroll(cols // 4):  # accumulators 2q, 2q + 1: one row's adjacent columns
             for v in T.vectorized(2):
                 lrow, lcol = T.meta_var(fragment(tw, 2 * q + v))
-                O[buf, wg, lcol // box, lrow, (lcol % box // chunk ^ lrow % 8) * chunk + lcol % chunk] = value(
-                    P, acc[2 * q + v], row0 + lrow, col0 + lcol)
+                O[(buf, wg, *staged_at((lrow, lcol), dtype))] = value(P, acc[2 * q + v], row0 + lrow, col0 + lcol)
         T.ptx["fence.proxy.async.shared::cta"]()  # the writes, visible to the TMA unit
         T.ptx["bar.sync"](T.uint32(STAGE_BARRIER) + T.cast(wg, "uint32"), 128)
         if tw == 0:

@@ -42,10 +42,12 @@ from tvm.script import tirx as T
 
 from ..errors import ComFuseError
 from .chain import ACTIVATIONS, chain_value, np_chain, np_dtype
-from .staged_store import box_cols, buffer_shape, drain, size, staged_bytes, staged_store
+from .staged_store import box_cols, buffer_shape, drain, size, staged_at, staged_bytes, staged_store
 from .wgmma_mainloop import Ring, WgmmaConfig, box_rows, consumer_sync, fragment, mainloop, roles, tensor_map
 from .wgmma_postnorm import SM_COUNT
 
+#: Row statistics the kernel can write beside its output (:attr:`Elementwise.stats`).
+STATS = ("", "layer_norm", "rms_norm")
 #: CTA tiles the default chooses from, with their throughput relative to 128 x 256 as plain
 #: GEMMs at 4096^3 on the H200 (session 8, ``wgmma-gemm-ws.json``: 0.77x cuBLAS for 128 x 256;
 #: 128 x 192 and 64 x 128 not measured there, interpolated).
@@ -68,6 +70,11 @@ class Elementwise:
     operands: tuple = ()
     out_dtype: str = "float16"
     layout: tuple = ()
+    #: Also write each row's statistics over each consumer warpgroup's ``wg_cols`` columns, as
+    #: a ``[M, N / wg_cols, 2]`` float32 output after ``out``: ``"layer_norm"``, the part's mean
+    #: and centred sum of squares; ``"rms_norm"``, its mean of squares (and 0). What the norm of
+    #: a row too wide for one cluster is applied from (:mod:`.split_norm`).
+    stats: str = ""
 
     def problems(self) -> list:
         """What the kernel cannot compute of this description (empty if nothing)."""
@@ -83,6 +90,10 @@ class Elementwise:
             if sorted(axes) != list(range(len(dims))) or len(dims) < 3 or math.prod(shape) != math.prod(dims):
                 found.append(f"layout {self.layout} (dims: the rows' then N's two, axes a permutation of them, "
                              "shape as many elements)")
+        if self.stats not in STATS:
+            found.append(f"row statistics {self.stats!r} (one of {STATS})")
+        elif self.stats and self.layout:
+            found.append("row statistics of an output in a head layout (a row-major output only)")
         return found
 
     def out_shape(self, lead, n: int) -> tuple:
@@ -149,6 +160,9 @@ def problems(m: int, n: int, k: int, spec: Elementwise, cfg: WgmmaConfig | None 
         found.append("a resident B (the post-norm kernel's, for short K: here B streams through the ring)")
     if cfg.pingpong and (cfg.bm != 64 or cfg.wg_n != 1):
         found.append(f"ping-pong with {cfg.bm} x {cfg.bn} tiles of {cfg.wg_n} column warpgroups (one warpgroup a tile: bm = 64, wg_n = 1)")
+    if spec.stats and not stages_output(spec, cfg):
+        found.append(f"row statistics with {cfg.bm} x {cfg.bn} tiles whose output is not staged (they are read back from "
+                     "the staging buffers: a row-major output, one column warpgroup, whole 128-byte boxes)")
     if persistent(cfg) and (cfg.producer_warps or cfg.ctas_per_sm != 1):
         found.append("persistent CTAs with producer warps or two CTAs an SM (persistent CTAs are one an SM, with a producer warpgroup)")
     return found + cfg.problems(_padded(m, cfg.bm), n, k, spec.dtype)
@@ -227,6 +241,56 @@ def stages_output(spec: Elementwise, cfg: WgmmaConfig) -> bool:
     return not spec.layout and cfg.wg_n == 1 and cfg.wg_cols % box_cols(spec.out_dtype) == 0 and fits
 
 
+def statistics(spec: Elementwise, cfg: WgmmaConfig, m: int):
+    """The tirx macro ``row_stats(stats, O, wg, tw, row0, col0)`` of a kernel with
+    ``spec.stats``: once thread ``tw`` of consumer warpgroup ``wg`` has staged its share of the
+    ``64 x wg_cols`` output part at ``(row0, col0)`` in its buffer of ``O`` (the values the graph's
+    norm reads), it reads them back and writes each of its two rows' statistics over the part to
+    ``stats[row, col0 / wg_cols]``: the sum of its ``wg_cols / 4`` values, then its quad's
+    (butterfly shuffles), for the mean (of squares: RMSNorm's); then LayerNorm's centred sum of
+    squares the same way (two passes: no cancellation).
+    Why read back: the values die as they are staged; kept in registers for the statistics, all
+    of a part's accumulators and residual loads are live at once and ptxas spills (60 bytes a
+    thread at 8192 x 4096 -> 4096 with a residual). A no-op without ``spec.stats``."""
+    acc_n, cols, wanted = cfg.wg_cols // 2, cfg.wg_cols, bool(spec.stats)
+    rms = spec.stats == "rms_norm"
+    wide = lambda v: T.cast(v, "float32") if spec.out_dtype != "float32" else v  # noqa: E731
+
+    # pylint: disable=invalid-name
+    @T.macro
+    def quad_sum(part, j):  # part[j] summed over the four lanes of a quad (which hold a row's values between them)
+        for lanes in T.unroll(2):
+            part[j] = part[j] + T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), part[j], 1 << lanes, 32, 32)
+
+    @T.macro
+    def row_stats(stats, O, wg, tw, row0, col0):
+        if wanted:
+            part = T.alloc_local([4], "float32")
+            for h in T.unroll(2):  # the thread's rows: accumulators 4q + 2h + (0, 1)
+                part[h] = T.float32(0)
+                part[2 + h] = T.float32(0)
+                for q in T.unroll(acc_n // 4):
+                    for j in T.unroll(2):
+                        v = T.meta_var(wide(O[(0, wg, *staged_at(fragment(tw, 4 * q + 2 * h + j), spec.out_dtype))]))
+                        part[h] = part[h] + (v * v if rms else v)
+                quad_sum(part, h)
+                part[h] = part[h] * T.float32(1.0 / cols)
+                if not rms:
+                    for q in T.unroll(acc_n // 4):
+                        for j in T.unroll(2):
+                            v = T.meta_var(wide(O[(0, wg, *staged_at(fragment(tw, 4 * q + 2 * h + j), spec.out_dtype))]))
+                            part[2 + h] = part[2 + h] + (v - part[h]) * (v - part[h])
+                    quad_sum(part, 2 + h)
+            if tw % 4 == 0:
+                for h in T.unroll(2):
+                    row = T.meta_var(row0 + fragment(tw, 2 * h)[0])
+                    if row < m:
+                        stats[row, col0 // cols, 0] = part[h]
+                        stats[row, col0 // cols, 1] = part[2 + h]
+
+    return row_stats
+
+
 def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(), cfg: WgmmaConfig | None = None, lead=None,
                       stage: bool | None = None):
     """The fused kernel, a tirx PrimFunc for sm_90a with parameters ``(x[*lead, k], w[n, k],
@@ -249,9 +313,10 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
     producer, consumer = roles(cfg)
     maps = {"x": tensor_map(m, k, box_rows(bm), cfg.bk, spec.dtype), "w": tensor_map(n, k, box_rows(bn), cfg.bk, spec.dtype)}
     staged = stages_output(spec, cfg) if stage is None else stage
-    if staged and not stages_output(spec, cfg):
+    if staged and not stages_output(spec, cfg) or spec.stats and not staged:
         raise ComFuseError(f"wgmma GEMM + elementwise: the output cannot be staged for TMA stores ({spec.layout or spec.out_dtype}, "
-                           f"{bm} x {bn} tiles in a {cfg.smem_bytes // 1024} KiB ring); pass stage=None")
+                           f"{bm} x {bn} tiles in a {cfg.smem_bytes // 1024} KiB ring, row statistics {spec.stats!r}); "
+                           "pass stage=None")
     if staged:
         maps["out"] = tensor_map(m, n, 64, box_cols(spec.out_dtype), spec.out_dtype)
     sync = consumer_sync(cfg)
@@ -259,6 +324,7 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
     staged_value = lambda P, v, row, col: epilogue_value(spec, P, v, T.min(row, m - 1) if ragged else row, col)  # noqa: E731
     store = staged_store(cfg.wg_cols, spec.out_dtype, staged_value)
     wait_stores = drain()
+    row_stats = statistics(spec, cfg, m)
 
     def at(row, col):
         """Where ``(row, col)`` of the GEMM's result lies in the output (Python, at parse time)."""
@@ -277,7 +343,7 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
                     out[at(row, col)] = epilogue_value(spec, P, acc[2 * q + j], row, col)
 
     @T.macro
-    def body(x_map, w_map, out_map, P, out):
+    def body(x_map, w_map, out_map, P, out, stats):
         if cfg.ctas_per_sm > 1:  # __launch_bounds__(threads, ctas_per_sm)
             T.attr({"tirx.launch_bounds_min_blocks_per_sm": cfg.ctas_per_sm})
         bx, by = T.cta_id([_padded(m, bm) // bm, n // bn])
@@ -298,6 +364,7 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
         da = T.alloc_local([1], "uint64")
         db = T.alloc_local([1], "uint64")
         init(full, empty, wg * 128 + tw)
+        row0, col0 = T.meta_var((bx * bm + (wg - 1) // cfg.wg_n * 64, by * bn + (wg - 1) % cfg.wg_n * cfg.wg_cols))
         if wg == 0:
             producer()
             if tw == 0:
@@ -306,12 +373,13 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
             consumer()
             consume(S, S, full, empty, acc, da, db, wg - 1, tw, 0)
             sync(0)  # every consumer warpgroup's wgmmas are done and every load has landed: the ring is free
-            store(out_map, O, P, acc, wg - 1, tw, bx * bm + (wg - 1) * 64, by * bn, 0)
+            store(out_map, O, P, acc, wg - 1, tw, row0, col0, 0)
+            row_stats(stats, O, wg - 1, tw, row0, col0)
             wait_stores(tw)
         else:
             consumer()
             consume(S, S, full, empty, acc, da, db, wg - 1, tw, 0)
-            register_store(out, P, acc, tw, bx * bm + (wg - 1) // cfg.wg_n * 64, by * bn + (wg - 1) % cfg.wg_n * cfg.wg_cols)
+            register_store(out, P, acc, tw, row0, col0)
 
     # persistent CTAs: one an SM, tiles t = bx, bx + grid, ... (tile_walk, tile_origin); each
     # consumer warpgroup stages into a buffer of its own
@@ -322,15 +390,16 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
     loop_store = staged_store(cfg.wg_cols, spec.out_dtype, staged_value, buffers=1)  # a buffer of its own: written once a tile
 
     @T.macro
-    def finish(out_map, O, P, out, acc, slot, cw, tw, t):  # warpgroup cw's part of tile t, staged in buffer `slot`
+    def finish(out_map, O, P, out, stats, acc, slot, cw, tw, t):  # warpgroup cw's part of tile t, staged in buffer `slot`
         row0, col0 = T.meta_var(tile_origin(cfg, tiles_m, t, cw))
         if staged:
             loop_store(out_map, O, P, acc, slot, tw, row0, col0, 0)
+            row_stats(stats, O, slot, tw, row0, col0)
         else:
             register_store(out, P, acc, tw, row0, col0)
 
     @T.macro
-    def loop_body(x_map, w_map, out_map, P, out):
+    def loop_body(x_map, w_map, out_map, P, out, stats):
         bx = T.cta_id([grid])
         wg = T.warpgroup_id([cfg.consumers + 1])
         tw = T.thread_id_in_wg([128])
@@ -370,7 +439,7 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
                 if cfg.pingpong:
                     if tw == 0:
                         T.ptx.mbarrier.arrive.shared.b64(turn.ptr_to([2 - wg]), T.uint32(1))
-                finish(out_map, O, P, out, acc, wg - 1, cw, tw, bx + (first + step * j) * grid)
+                finish(out_map, O, P, out, stats, acc, wg - 1, cw, tw, bx + (first + step * j) * grid)
             if staged:
                 wait_stores(tw)
 
@@ -378,12 +447,14 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
     signature = [("x", (*lead, k), spec.dtype, (m, k)), ("w", (n, k), spec.dtype, None)]
     signature += [(f"p{j}", (*lead, n) if tile else (n,), d, (m, n) if tile else None) for j, (d, tile) in enumerate(spec.operands)]
     signature += [("out", spec.out_shape(lead, n), spec.out_dtype, (m * n,) if spec.layout else (m, n))]
+    signature += [("stats", (m, n // cfg.wg_cols, 2), "float32", None)] if spec.stats else []
     lines = [f"def gemm_elementwise({', '.join(f'{p}_h: T.handle' for p, *_ in signature)}):"]
     lines += [f"    {p}_p = T.match_buffer({p}_h, {shp}, {dt!r}, align=16)" for p, shp, dt, _ in signature]
     lines += [f"    {p}_map: T.let[T.handle('tensormap')] = T.tvm_stack_alloca('tensormap', 1)" for p in maps]
     lines += [f"    encode_{p}({p}_map, {p}_p.data)" for p in maps] + ["    T.device_entry()"]
     lines += [f"    {p} = T.decl_buffer({view}, {dt!r}, data={p}_p.data)" if view else f"    {p} = {p}_p" for p, _, dt, view in signature[2:]]
     operands = ", ".join(f"p{j}" for j in range(len(spec.operands)))
-    lines += [f"    body(x_map, w_map, {'out_map' if staged else 'None'}, ({operands}{',' if operands else ''}), out)"]
+    lines += [f"    body(x_map, w_map, {'out_map' if staged else 'None'}, ({operands}{',' if operands else ''}), out, "
+              f"{'stats' if spec.stats else 'None'})"]
     return tvm.script.from_source("@T.prim_func\n" + "\n".join(lines), extra_vars={
         "T": T, "body": loop_body if persistent(cfg) else body, **{f"encode_{p}": enc for p, enc in maps.items()}})

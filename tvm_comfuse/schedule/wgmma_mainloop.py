@@ -408,12 +408,13 @@ def wgmma_gemm(m: int, n: int, k: int, dtype: str = "float16", cfg: WgmmaConfig 
     return wgmma_elementwise(m, n, k, Elementwise(dtype, (), (), dtype), cfg)
 
 
-def build(func, arch: str = "sm_90a", host=None, symbol: str | None = None):
+def build(func, arch: str = "sm_90a", host=None, symbol: str | None = None, tir_pipeline: str = "tirx"):
     """Compile a tirx PrimFunc from this module, as ``main`` or exported as ``symbol`` (wgmma
     needs the ``a`` of sm_90a; the target is also made the current one, which TVM's NVRTC
     callback reads the architecture from: inside a Relax pipeline that would otherwise be the
-    pipeline's)."""
+    pipeline's). ``tir_pipeline="default"`` compiles a scheduled s_tir PrimFunc instead (the
+    split post-norm's norm kernel, :mod:`.split_norm`)."""
     target = tvm.target.Target({"kind": "cuda", "arch": arch}, host=host)
     mod = tvm.IRModule({symbol: func.with_attr("global_symbol", symbol)} if symbol else {"main": func})
     with target:
-        return tvm.compile(mod, target=target, tir_pipeline="tirx")
+        return tvm.compile(mod, target=target, tir_pipeline=tir_pipeline)

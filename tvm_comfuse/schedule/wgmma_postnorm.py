@@ -107,6 +107,10 @@ class PostNorm:
     #: Also write the norm's float32 result (before the cast to ``out_dtype``) as a second
     #: output: BERT keeps it for the next residual while the next GEMM reads the cast copy.
     norm_out: bool = False
+    #: Also write the sum the norm reads (the chain's value before its cast to fp32, in that
+    #: dtype): a pre-norm transformer's residual stream. Only the split kernels write it
+    #: (:mod:`.split_norm`, whose GEMM kernel writes the sum anyway).
+    sum_out: bool = False
 
     @classmethod
     def suite(cls, dtype: str = "float16", norm: str = "layer_norm") -> PostNorm:
@@ -263,6 +267,14 @@ def resident_pays(cfg: WgmmaConfig, m: int, n: int, k: int) -> bool:
     return cfg.resident and (turns or cfg.stages >= k // cfg.bk) and blocks >= 8
 
 
+def slices(n: int, rows: int = DEFAULT_ROWS) -> list:
+    """The cluster sizes of :data:`DEFAULT_CLUSTER_SIZES` that slice a row of ``n`` into CTAs of
+    ``rows`` rows whose accumulators fit their registers (empty: the row is too wide for a
+    cluster, :mod:`.split_norm`'s case)."""
+    widest = MAX_ROW * 64 // rows
+    return [r for r in DEFAULT_CLUSTER_SIZES if n % r == 0 and (n // r) % 16 == 0 and n // r <= widest]
+
+
 def default_config(n: int, m: int | None = None, k: int | None = None, spec: PostNorm | None = None,
                    bm: int | None = None, resident: bool | None = None) -> WgmmaConfig:
     """A CTA owns ``bm`` rows (:data:`DEFAULT_ROWS` unless given) of a ``bn``-column slice of
@@ -283,7 +295,7 @@ def default_config(n: int, m: int | None = None, k: int | None = None, spec: Pos
             return cfg
     rows = bm or DEFAULT_ROWS
     widest = MAX_ROW * 64 // rows  # columns of `rows` rows one CTA's registers hold
-    ranks = [r for r in DEFAULT_CLUSTER_SIZES if n % r == 0 and (n // r) % 16 == 0 and n // r <= widest]
+    ranks = slices(n, rows)
     if not ranks:
         raise ComFuseError(f"wgmma post-norm cannot slice N = {n} over at most {CLUSTER_SIZES[-1]} CTAs of {widest} columns")
     if m is not None:
@@ -307,6 +319,8 @@ def default_config(n: int, m: int | None = None, k: int | None = None, spec: Pos
 def problems(m, n, k, spec: PostNorm, cfg: WgmmaConfig | None = None, stage: bool | None = None) -> list:
     """Everything that keeps :func:`wgmma_postnorm` from this GEMM shape and chain."""
     found = spec.problems()
+    if spec.sum_out:
+        found.append("the sum before the norm as an output too (the split GEMM + norm kernels write it)")
     if not all(isinstance(d, int) for d in (m, n, k)):
         return found + [f"symbolic shape M, N, K = {m}, {n}, {k} (static only)"]
     try:

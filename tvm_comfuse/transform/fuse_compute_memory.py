@@ -85,6 +85,10 @@ class _WidenHalfPrecision(PyExprMutator):  # pylint: disable=abstract-method
 
 
 _HALF = ("float16", "bfloat16")
+#: What :func:`analyze` says of a group each Hopper post-norm kernel takes.
+_HOPPER_NOTES = {"cluster": "runs as the Hopper wgmma post-norm kernel",
+                 "split": "runs as the Hopper wgmma GEMM with its row statistics in the epilogue, then a norm kernel "
+                          "(rows wider than a cluster holds)"}
 
 
 def _plan(mod: tvm.IRModule):
@@ -256,8 +260,8 @@ def analyze(mod: tvm.IRModule, target=None, hopper: bool | None = None) -> list:
     groups, wide = _limit_to_target(_plan(mod), target, hopper)
     out, names, groups = _outline_schedulable(mod, groups, (GEMM_REDUCE, GEMM_ELEMENTWISE), target, hopper, wide)
     if hopper:
-        taken = {i for i, name in names.items() if groups[i].kind == GEMM_REDUCE and hopper_takes(out[name], target)}
-        groups = [replace(g, note="runs as the Hopper wgmma post-norm kernel") if i in taken else g for i, g in enumerate(groups)]
+        taken = {i: hopper_takes(out[name], target) for i, name in names.items() if groups[i].kind == GEMM_REDUCE}
+        groups = [replace(g, note=_HOPPER_NOTES[taken[i]]) if taken.get(i) else g for i, g in enumerate(groups)]
     return _resolve(groups, names)
 
 
@@ -273,7 +277,8 @@ class FuseComputeMemory:  # pylint: disable=too-few-public-methods
         that the gemm_reduce rule cannot tile, stay with vanilla fusion (``get_pipeline``
         passes its target).
     hopper : bool
-        Keep the groups the Hopper post-norm kernel takes on sm_90 (rows up to 4096 wide), for
+        Keep the groups the Hopper post-norm kernels take on sm_90 (rows up to 4096 wide in one
+        kernel, wider ones split into a GEMM with row statistics and a norm), for
         OffloadHopperPostNorm to replace (``get_pipeline`` sets it where it runs that pass).
     kinds : tuple of str
         Group kinds to outline. ``"b2b_gemm"`` groups are detected by :func:`analyze` but not

@@ -12,8 +12,10 @@ kernel takes its shape, the kernel is built for it (tirx, sm_90a), linked into t
 through the module's ``external_mods`` (TVM's BYOC path), and the call becomes
 ``R.call_dps_packed`` of it (3-D activations are read as rows in place: no reshape). A function the
 description cannot express exactly (another op, another output, an unused binding) or the
-kernel cannot take (rows wider than a cluster's slices hold, M not a multiple of 64, symbolic
-shapes) is left alone: the ``gemm_reduce`` rule schedules it as before. On by default for sm_90
+kernel cannot take (M not a multiple of 64, symbolic shapes) is left alone: the ``gemm_reduce``
+rule schedules it as before. Rows wider than a cluster's slices hold (N > 4096) run split
+(:mod:`~tvm_comfuse.schedule.split_norm`): the GEMM kernel writes the sum and its row
+statistics, a norm kernel follows, two ``call_dps_packed`` in place of the group's call. On by default for sm_90
 targets (``get_pipeline(target, hopper=False)`` turns it off), where it measured faster than the
 rule on every suite shape (H200, session 8).
 """
@@ -154,7 +156,8 @@ def match_postnorm(func: relax.Function):
     ``roles`` are the indices of the function's parameters for the kernel's ``x, w, operand
     0, operand 1, gamma[, beta]``; ``out_shape`` is ``[*rows, N]`` (rows ``(M,)`` or ``(B, S)``);
     ``order`` names the function's outputs: ``("out",)``, or with the norm's float32 result
-    also returned, ``("out", "norm")`` or ``("norm", "out")``."""
+    also returned, ``("out", "norm")`` or ``("norm", "out")``, or with the sum it normalises
+    (a pre-norm block's residual stream), ``("out", "sum")`` or ``("sum", "out")``."""
     from ..schedule.wgmma_postnorm import PostNorm  # pylint: disable=import-outside-toplevel
 
     body = GroupBody(func)
@@ -164,12 +167,14 @@ def match_postnorm(func: relax.Function):
     if not all(isinstance(v, relax.Var) and v in var2val for v in outs) or len(outs) > 2:
         return None
     order = ("out",)
-    if len(outs) == 2:  # the norm's float32 result and its cast (BERT's attention output)
+    if len(outs) == 2:  # the norm's float32 result and its cast (BERT's attention output), or the sum it normalises
         casts = [i for i, v in enumerate(outs) if ops.op_name(var2val[v]) == "relax.astype" and var2val[v].args[0].same_as(outs[1 - i])]
-        if len(casts) != 1:
+        sums = [i for i in range(2) if _normalises(body, outs[i], outs[1 - i])]
+        if len(casts) + len(sums) != 1:
             return None
-        order = ("out", "norm") if casts[0] == 0 else ("norm", "out")
-        outs = [outs[casts[0]]]
+        i = (casts or sums)[0]
+        order = ("out", "norm" if casts else "sum")[:: 1 if i == 0 else -1]
+        outs = [outs[i]]
     out_shape, out_dtype = _sinfo(outs[0])
     call = body.value(outs[0])
     if call is not None and ops.op_name(call) == "relax.astype":
@@ -192,10 +197,24 @@ def match_postnorm(func: relax.Function):
     if beta is not None and b_dtype != g_dtype:
         return None
     roles += [body.params[gamma]] + ([body.params[beta]] if beta is not None else [])
-    if len(order) == 2 and _sinfo(call)[1] != "float32":
+    if "norm" in order and _sinfo(call)[1] != "float32":
         return None
-    spec = PostNorm(_sinfo(found[1])[1], steps, operands, norm, float(call.attrs.epsilon), g_dtype, out_dtype, len(order) == 2)
+    spec = PostNorm(_sinfo(found[1])[1], steps, operands, norm, float(call.attrs.epsilon), g_dtype, out_dtype,
+                    norm_out="norm" in order, sum_out="sum" in order)
     return spec, roles, mnk, out_shape, order
+
+
+def _normalises(body: GroupBody, out, other) -> bool:
+    """Whether output ``out`` is the norm (possibly cast) of the fp32 cast of output ``other``:
+    ``other`` is the sum a pre-norm block also returns (its residual stream)."""
+    val = body.var2val.get(out)
+    if isinstance(val, relax.Call) and ops.op_name(val) == "relax.astype":
+        val = body.var2val.get(val.args[0])
+    if not isinstance(val, relax.Call) or ops.op_name(val) not in _NORMS:
+        return False
+    wide = body.var2val.get(val.args[0])
+    return (isinstance(wide, relax.Call) and ops.op_name(wide) == "relax.astype" and str(wide.attrs.dtype) == "float32"
+            and wide.args[0].same_as(other))
 
 
 def is_hopper(target: tvm.target.Target) -> bool:
@@ -210,12 +229,31 @@ def uses_hopper(target, hopper: bool | None = None) -> bool:
     return bool(is_hopper(parse_target(target)) if hopper is None else hopper)
 
 
-def hopper_takes(func: relax.Function, target: tvm.target.Target) -> bool:
-    """Whether :class:`OffloadHopperPostNorm` replaces the outlined group ``func`` on ``target``."""
-    from ..schedule import wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
+def postnorm_kernel(m, n, k, spec) -> tuple:
+    """Which Hopper kernel computes a post-norm group: ``("cluster", [])`` where the post-norm
+    kernel's cluster holds its rows (:mod:`~tvm_comfuse.schedule.wgmma_postnorm`), else, for
+    rows wider than a cluster holds, ``("split", [])`` where the GEMM + row statistics kernel
+    and the norm kernel take it (:mod:`~tvm_comfuse.schedule.split_norm`), else ``(None, what
+    keeps each)``. Groups that also return the sum before the norm (a pre-norm block's
+    residual stream) run split too: its GEMM kernel writes that sum anyway. Rows a cluster could
+    hold but the kernel cannot take otherwise (M not a multiple of 64) stay with the gemm_reduce
+    rule's one kernel."""
+    from ..schedule import split_norm as sn, wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
 
+    cluster = wp.problems(m, n, k, spec)
+    if not cluster:
+        return "cluster", []
+    if not isinstance(n, int) or (wp.slices(n) and not spec.sum_out):
+        return None, cluster
+    split = sn.problems(m, n, k, spec)
+    return ("split", []) if not split else (None, cluster + [f"split into GEMM + norm kernels: {'; '.join(split)}"])
+
+
+def hopper_takes(func: relax.Function, target: tvm.target.Target) -> str | None:
+    """The Hopper kernel (:func:`postnorm_kernel`) :class:`OffloadHopperPostNorm` replaces the
+    outlined group ``func`` by on ``target``, or None."""
     found = match_postnorm(func) if is_hopper(target) else None
-    return found is not None and not wp.problems(*found[2], found[0])
+    return postnorm_kernel(*found[2], found[0])[0] if found is not None else None
 
 
 def dataflow_blocks(mod: tvm.IRModule):
@@ -256,13 +294,19 @@ def groups_taken(mod: tvm.IRModule, kind: str, match, problems):
         yield gv, func, found
 
 
+def postnorm_groups(mod: tvm.IRModule):
+    """``(global var, function, match_postnorm's result, kernel)`` of each outlined
+    ``gemm_reduce`` group of ``mod`` a Hopper kernel takes (:func:`postnorm_kernel`): what
+    :class:`OffloadHopperPostNorm` replaces."""
+    for gv, func, found in groups_taken(mod, "gemm_reduce", match_postnorm, lambda *a: postnorm_kernel(*a)[1]):
+        yield gv, func, found, postnorm_kernel(*found[2], found[0])[0]
+
+
 def taken_groups(mod: tvm.IRModule):
     """``(global var, function, match_postnorm's result)`` of each outlined ``gemm_reduce``
-    group of ``mod`` the wgmma kernel takes: what :class:`OffloadHopperPostNorm` replaces and
-    what ``comfuse tune`` makes its tasks."""
-    from ..schedule import wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
-
-    return groups_taken(mod, "gemm_reduce", match_postnorm, wp.problems)
+    group of ``mod`` the post-norm kernel takes whole: what ``comfuse tune`` makes its tasks
+    (the split kernels of wider rows run their defaults)."""
+    return ((gv, func, found) for gv, func, found, kernel in postnorm_groups(mod) if kernel == "cluster")
 
 
 class Kernels:
@@ -315,14 +359,18 @@ class HopperOffload:
         where the pass has nothing to do (none given, and the target is not sm_90)."""
         if self.build is None and not is_hopper(self.target):
             return None
-        return self.build or (lambda func, symbol, _spec, _mnk: build_kernel(func, symbol, self.target))
+        from ..schedule.split_norm import NormKernel  # pylint: disable=import-outside-toplevel
+
+        return self.build or (lambda func, symbol, spec, _mnk: build_kernel(
+            func, symbol, self.target, "default" if isinstance(spec, NormKernel) else "tirx"))
 
 
-def build_kernel(prim_func, symbol: str, target: tvm.target.Target):
-    """Compile a Hopper kernel's tirx PrimFunc for sm_90a, exported as ``symbol``: the module to link."""
+def build_kernel(prim_func, symbol: str, target: tvm.target.Target, tir_pipeline: str = "tirx"):
+    """Compile a Hopper kernel's tirx PrimFunc for sm_90a (a scheduled s_tir one with
+    ``tir_pipeline="default"``), exported as ``symbol``: the module to link."""
     from ..schedule.wgmma_mainloop import build  # pylint: disable=import-outside-toplevel
 
-    return build(prim_func, host=target.host or tvm.target.Target("llvm"), symbol=symbol).mod
+    return build(prim_func, host=target.host or tvm.target.Target("llvm"), symbol=symbol, tir_pipeline=tir_pipeline).mod
 
 
 @mutator
@@ -335,6 +383,8 @@ class _CallRewriter(PyExprMutator):  # pylint: disable=abstract-method
         call = super().visit_call_(call)
         if not isinstance(call.op, relax.GlobalVar) or call.op.name_hint not in self.offloads:
             return call
+        if callable(self.offloads[call.op.name_hint]):  # it emits the calls itself
+            return self.offloads[call.op.name_hint](self.builder_, call.args)
         symbol, roles, out_shape, out_dtype, order = self.offloads[call.op.name_hint]
         args = relax.Tuple([call.args[i] for i in roles])
         if order == ("out",):
@@ -368,9 +418,13 @@ class OffloadHopperPostNorm(HopperOffload):  # pylint: disable=too-few-public-me
         build = self.builder()
         if build is None:
             return mod
-        offloads, kernels, tuned = {}, Kernels(build, "comfuse_wgmma"), 0
-        for gv, func, found in taken_groups(mod):
+        offloads, kernels, tuned, whole = {}, Kernels(build, "comfuse_wgmma"), 0, 0
+        for gv, func, found, kernel in postnorm_groups(mod):
             spec, roles, mnk, out_shape, order = found
+            if kernel == "split":
+                offloads[gv.name_hint] = split_call(kernels, gv.name_hint, found)
+                continue
+            whole += 1
             cfg = self.tuned(lambda: (func, hopper.describe(found)))  # noqa: B023
             tuned += cfg is not None
             symbol = kernels.symbol((spec, mnk, tuple(out_shape), cfg), gv.name_hint,
@@ -378,9 +432,47 @@ class OffloadHopperPostNorm(HopperOffload):  # pylint: disable=too-few-public-me
             offloads[gv.name_hint] = (symbol, roles, out_shape, spec.out_dtype, order)
         if not offloads:
             return mod
-        LOG.info("ComFuse: %d post-norm group(s) run as %d wgmma kernel(s)", len(offloads), len(kernels.symbols))
-        self.report_tuned(tuned, len(offloads), "wgmma post-norm groups")
+        LOG.info("ComFuse: %d post-norm group(s) run as %d wgmma kernel(s) (%d split into GEMM + norm: rows wider than a "
+                 "cluster holds)", len(offloads), len(kernels.symbols), len(offloads) - whole)
+        self.report_tuned(tuned, whole, "wgmma post-norm groups")
         return replace_calls(mod, offloads, kernels.modules)
+
+
+def split_call(kernels: Kernels, name: str, found):
+    """Build a split post-norm's two kernels (:mod:`~tvm_comfuse.schedule.split_norm`: the GEMM
+    with the chain and the row statistics, then the norm) and return what emits their calls in
+    place of the group's: ``emit(block_builder, the group call's args)``."""
+    from ..schedule import split_norm as sn  # pylint: disable=import-outside-toplevel
+
+    spec, roles, (m, n, k), out_shape, order = found
+    lead = tuple(out_shape[:-1])
+    built = {}
+
+    def make(part):  # one build of both PrimFuncs; the kernels' builds take their half
+        if not built:
+            built["gemm"], built["norm"], built["parts"] = sn.kernels(m, n, k, spec, lead=lead)
+        return built[part]
+
+    gemm_spec, parts = sn.gemm_spec(spec), n // sn.config(m, n, k, spec).wg_cols
+    gemm = kernels.symbol(("split-gemm", spec, (m, n, k), lead), f"{name}_gemm", lambda: make("gemm"), gemm_spec, (m, n, k))
+    norm = kernels.symbol(("split-norm", spec, (m, n, k), lead), f"{name}_norm", lambda: make("norm"), sn.NormKernel(spec, parts),
+                          (m, n, k))
+
+    def emit(bb, args):
+        x, w, p0, p1, *params = [args[i] for i in roles]
+        both = bb.emit(relax.call_dps_packed(relax.ExternFunc(gemm), relax.Tuple([x, w, p0, p1]), [
+            relax.TensorType([*lead, n], sn.sum_dtype(spec)), relax.TensorType([m, parts, 2], "float32")]))
+        y, stats = bb.emit(relax.TupleGetItem(both, 0)), bb.emit(relax.TupleGetItem(both, 1))
+        outs = [relax.TensorType(out_shape, spec.out_dtype)] + ([relax.TensorType(out_shape, "float32")] if spec.norm_out else [])
+        call = relax.call_dps_packed(relax.ExternFunc(norm), relax.Tuple([y, stats, *params]), outs if spec.norm_out else outs[0])
+        if order == ("out",):
+            return call
+        normed = bb.emit(call)
+        if "sum" in order:
+            return relax.Tuple([normed if part == "out" else y for part in order])
+        return relax.Tuple([relax.TupleGetItem(normed, ("out", "norm").index(part)) for part in order])
+
+    return emit
 
 
 def replace_calls(mod: tvm.IRModule, offloads: dict, built: list) -> tvm.IRModule:

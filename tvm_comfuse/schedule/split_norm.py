@@ -1,0 +1,235 @@
+"""Post-norms of rows too wide for a cluster: the row statistics in the GEMM's epilogue, the norm after.
+
+Why: the post-norm kernel (:mod:`.wgmma_postnorm`) keeps a row on chip by slicing it over the
+CTAs of a thread-block cluster, at most 8 x 512 columns, and pays for it with 64-row tiles, which
+read W from L2 twice as often as the plain GEMM's 128 x 256 ones. At N = 4096 (8192 x 4096 ->
+4096) that made it 1.42x cuBLAS's GEMM alone and 1.22x torch.compile's GEMM + LayerNorm (H200,
+session 12); wider rows (LLaMA's 5120, 8192) it cannot take at all, and those groups were left to
+vanilla TVM. Issue 3 names the scheme for wide rows: per-tile partial statistics combined
+across CTAs. Here:
+
+1. The GEMM + elementwise kernel (:mod:`.wgmma_elementwise`, persistent 128 x 256 tiles, 0.99x
+   cuBLAS as a plain GEMM in session 16) applies the chain up to the norm (bias, residual) to its
+   accumulators, writes that sum ``y`` once by TMA, and, reading its staged tile back, writes
+   each row's mean and centred sum of squares over every 256-column part
+   (``Elementwise.stats``): the row statistics cost no pass over HBM.
+2. One light kernel (:func:`norm_func`, scheduled by :func:`schedule_norm`) combines each row's
+   parts (Chan et al.: ``M2 = sum M2_i + n_i sum (mean_i - mean)^2``, no cancellation) and
+   writes ``norm(y) * gamma + beta``.
+
+Against cuBLAS + a separate LayerNorm (torch.compile's plan) this saves the residual's read and
+the statistics' pass from the norm kernel, which reads ``y`` and writes the output, nothing else.
+The sum does make one round trip through HBM, which the cluster kernel avoids; that is the price
+of rows wider than a cluster holds, and of a mainloop at the plain GEMM's speed. Because ``y``
+is written anyway, a graph that also returns the sum before the norm (a pre-norm transformer's
+residual stream) costs nothing more.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import tvm
+from tvm import te
+
+from ..errors import ComFuseError
+from .chain import np_dtype
+from .staged_store import size
+from .wgmma_elementwise import Elementwise, default_config, problems as gemm_problems, reference as elementwise_reference, wgmma_elementwise
+from .wgmma_mainloop import WgmmaConfig
+from .wgmma_postnorm import PostNorm
+
+#: Threads of a norm kernel's CTA, which owns one row (the most that divide the row's vectors).
+NORM_THREADS = (256, 128, 64, 32)
+
+
+@dataclass(frozen=True)
+class NormKernel:
+    """The norm kernel of a split post-norm ``spec`` whose rows' statistics come in ``parts``:
+    what the offload hands its kernel builder beside the PrimFunc."""
+
+    spec: PostNorm
+    parts: int
+
+
+def sum_dtype(spec: PostNorm) -> str:
+    """The dtype of the sum the norm reads (its value before the chain's last step, the cast to
+    fp32 the norm runs in): what the GEMM kernel writes, losing nothing."""
+    return spec.steps[-2].dtype if len(spec.steps) > 1 else "float32"
+
+
+def gemm_spec(spec: PostNorm) -> Elementwise:
+    """The GEMM + elementwise description of ``spec``'s chain up to the norm, with its row statistics."""
+    return Elementwise(spec.dtype, spec.steps[:-1], spec.operands, sum_dtype(spec), (), spec.norm)
+
+
+def vector(spec: PostNorm) -> int:
+    """Elements of ``y`` one thread of the norm kernel moves at a time: 16 bytes."""
+    return 16 // size(sum_dtype(spec))
+
+
+def problems(m, n, k, spec: PostNorm, cfg: WgmmaConfig | None = None) -> list:
+    """What keeps the split kernels from this group (empty if nothing)."""
+    found = spec.problems()
+    if found or not all(isinstance(d, int) for d in (m, n, k)):
+        return found or [f"symbolic shape M, N, K = {m}, {n}, {k} (static only)"]
+    if n % (32 * vector(spec)):
+        found.append(f"N = {n} (a multiple of {32 * vector(spec)}: the norm kernel's warps move 16 bytes a thread)")
+    return found + gemm_problems(m, n, k, gemm_spec(spec), cfg)
+
+
+def config(m: int, n: int, k: int, spec: PostNorm, cfg: WgmmaConfig | None = None) -> WgmmaConfig:
+    """The GEMM kernel's configuration: ``cfg``, or the GEMM + elementwise default."""
+    return cfg or default_config(m, n, k, gemm_spec(spec))
+
+
+def kernels(m: int, n: int, k: int, spec: PostNorm, cfg: WgmmaConfig | None = None, lead=None) -> tuple:
+    """``(gemm, norm, parts)``: the GEMM kernel (tirx, sm_90a; ``(x, w, operand 0, operand 1, y,
+    stats)``, ``y`` of shape ``[M, N]`` in :func:`sum_dtype`, ``stats`` ``[M, parts, 2]``), the
+    norm's scheduled PrimFunc (:func:`norm_func`, :func:`schedule_norm`), and the parts a row's
+    statistics come in."""
+    found = problems(m, n, k, spec, cfg)
+    if found:
+        raise ComFuseError("split post-norm cannot take " + "; ".join(found))
+    cfg = config(m, n, k, spec, cfg)
+    parts = n // cfg.wg_cols
+    gemm = wgmma_elementwise(m, n, k, gemm_spec(spec), cfg, lead=lead)
+    return gemm, schedule_norm(norm_func(m, n, parts, spec, lead), n, spec), parts
+
+
+def norm_func(m: int, n: int, parts: int, spec: PostNorm, lead=None) -> tvm.tirx.PrimFunc:
+    """The norm from the row statistics, as a TE PrimFunc (unscheduled: it runs on llvm as it
+    is, which is how the CPU tests check its numerics): parameters ``(y[*lead, N], stats[M, parts,
+    2], gamma[N], beta[N] (LayerNorm), out[*lead, N] (, norm[*lead, N] float32 with
+    spec.norm_out))``, ``lead`` the rows' dims (``(M,)`` by default; ``y`` too is ``[*lead, N]``)."""
+    lead = tuple(lead or (m,))
+    y = te.placeholder((*lead, n), sum_dtype(spec), "y")
+    stats = te.placeholder((m, parts, 2), "float32", "stats")
+    gamma = te.placeholder((n,), spec.params_dtype, "gamma")
+    beta = te.placeholder((n,), spec.params_dtype, "beta") if spec.norm == "layer_norm" else None
+    f32 = lambda v: v.astype("float32") if v.dtype != "float32" else v  # noqa: E731
+    p = te.reduce_axis((0, parts), "p")
+    mean = te.compute((m,), lambda i: te.sum(stats[i, p, 0], axis=p), name="mean_sum")  # of squares for RMSNorm
+    if spec.norm == "layer_norm":
+        q, cols = te.reduce_axis((0, parts), "q"), n // parts
+        dev = te.compute((m,), lambda i: te.sum(stats[i, q, 1] + cols * (stats[i, q, 0] - mean[i] / parts) * (stats[i, q, 0] - mean[i] / parts),
+                                                axis=q), name="dev_sum")
+        rstd = te.compute((m,), lambda i: te.rsqrt(dev[i] / n + te.const(spec.eps, "float32")), name="rstd")
+    else:
+        rstd = te.compute((m,), lambda i: te.rsqrt(mean[i] / parts + te.const(spec.eps, "float32")), name="rstd")
+
+    def row(idx):  # the flat row of index idx of the rows' dims
+        return sum(i * math.prod(lead[d + 1:]) for d, i in enumerate(idx))
+
+    def value(*idx):
+        r, j = row(idx[:-1]), idx[-1]
+        if spec.norm == "layer_norm":
+            return (f32(y[idx]) - mean[r] / parts) * rstd[r] * f32(gamma[j]) + f32(beta[j])
+        return f32(y[idx]) * rstd[r] * f32(gamma[j])
+
+    if spec.norm_out:  # the float32 norm, and its cast
+        normed = te.compute((*lead, n), value, name="norm")
+        outs = [te.compute((*lead, n), lambda *idx: normed(*idx).astype(spec.out_dtype), name="out"), normed]
+    else:
+        outs = [te.compute((*lead, n), lambda *idx: value(*idx).astype(spec.out_dtype), name="out")]
+    params = [y, stats, gamma] + ([beta] if beta is not None else []) + outs
+    return te.create_prim_func(params)
+
+
+def schedule_norm(func: tvm.tirx.PrimFunc, n: int, spec: PostNorm) -> tvm.tirx.PrimFunc:
+    """``func`` (:func:`norm_func`, rows of ``n``) scheduled for a GPU: one CTA a row; its
+    threads reduce the row's statistics across themselves (TVM's cross-thread reduction:
+    shuffles), each computes the reciprocal deviation once, then moves its share of the row 16
+    bytes at a time: ``y``, gamma and beta are read into registers by vector loads, the values
+    computed one by one (TVM's CUDA codegen miswrites eight-wide float32 vectors) and the output
+    written back by vector stores."""
+    sch = tvm.s_tir.Schedule(func)
+    vec = vector(spec)
+    threads = next(t for t in NORM_THREADS if n % (t * vec) == 0)
+    out = sch.get_sblock("out")
+    compute = sch.get_sblock("norm") if spec.norm_out else out  # the block that computes the values
+    reads = [str(r.source.name) for r in sch.get(compute).reads]
+    loads = [sch.cache_read(compute, reads.index(name), "local") for name in ("y", "gamma", "beta") if name in reads]
+    stores = [sch.cache_write(out, 0, "local")]
+    if spec.norm_out:  # the float32 values stay in registers for their cast
+        stores.append(sch.cache_write(compute, 0, "local", consumer_blocks=[out]))
+    loops = sch.get_loops(compute)
+    rows = sch.fuse(*loops[:-1]) if len(loops) > 2 else loops[0]
+    chunks, tx, v = sch.split(loops[-1], [None, threads, vec])
+    sch.reorder(tx, chunks)  # each thread's chunks in one unrolled loop: their loads in flight together
+    sch.bind(rows, "blockIdx.x")
+    sch.bind(tx, "threadIdx.x")
+    sch.unroll(chunks)
+    sch.unroll(v)
+    for b in loads:
+        sch.compute_at(b, chunks)
+        sch.vectorize(sch.get_loops(b)[-1])
+    if spec.norm_out:
+        sch.reverse_compute_at(out, chunks)
+        sch.unroll(sch.get_loops(out)[-1])
+    for b in stores:
+        sch.reverse_compute_at(b, chunks)
+        inner = sch.get_loops(b)[-1]
+        sch.vectorize(sch.split(inner, [None, 16 // size(sch.get(b).writes[0].source.dtype)])[-1])
+    rstd = sch.get_sblock("rstd")
+    sch.compute_at(rstd, rows)
+    sch.set_scope(rstd, 0, "local")
+    for name in ("dev_sum", "mean_sum") if spec.norm == "layer_norm" else ("mean_sum",):
+        block = sch.get_sblock(name)
+        sch.compute_at(block, rows)
+        _, ptx = sch.split(sch.get_loops(block)[-1], [None, threads])
+        sch.bind(ptx, "threadIdx.x")
+        sch.set_scope(block, 0, "local")
+    return sch.mod["main"]
+
+
+def reference(spec: PostNorm, x, w, p0, p1, gamma, beta=None, parts: int = 1) -> list:
+    """NumPy model of the two kernels: the GEMM kernel's ``y`` and ``stats`` (each row's ``parts``
+    equal parts: mean, centred sum of squares, or mean of squares and 0 for RMSNorm), then the
+    norm from them; ``[out]`` (``[out, norm]`` with ``norm_out``), as
+    :func:`.wgmma_postnorm.reference` returns for the same group. The oracle of the offload's
+    CPU tests."""
+    y, stats = reference_gemm(spec, x, w, p0, p1, parts)
+    return reference_norm(spec, y, stats, gamma, beta, lead=x.shape[:-1])
+
+
+def reference_gemm(spec: PostNorm, x, w, p0, p1, parts: int):
+    """NumPy model of the GEMM kernel: ``(y, stats)``."""
+    y = elementwise_reference(gemm_spec(spec), x, w, p0, p1)
+    return y, row_statistics(y, parts, spec.norm)
+
+
+def row_statistics(y, parts: int, norm: str):
+    """NumPy model of ``Elementwise.stats``: ``[M, parts, 2]`` float32 over each row's ``parts``
+    equal parts of ``y``: mean and centred sum of squares (LayerNorm), or mean of squares and 0."""
+    import numpy as np  # pylint: disable=import-outside-toplevel
+
+    pieces = np.asarray(y).astype(np.float32).reshape(-1, parts, y.shape[-1] // parts)
+    if norm == "layer_norm":
+        mean = pieces.mean(-1)
+        stats = np.stack([mean, ((pieces - mean[..., None]) ** 2).sum(-1)], -1)
+    else:
+        stats = np.stack([(pieces**2).mean(-1), np.zeros(pieces.shape[:2], np.float32)], -1)
+    return stats.astype(np.float32)
+
+
+def reference_norm(spec: PostNorm, y, stats, gamma, beta=None, lead=None) -> list:
+    """NumPy model of the norm kernel (Chan et al.'s combination of the parts)."""
+    import numpy as np  # pylint: disable=import-outside-toplevel
+
+    f32 = lambda a: np.asarray(a).astype(np.float32)  # noqa: E731
+    n = y.shape[-1]
+    y = np.asarray(y).reshape(-1, n)
+    cols = n // stats.shape[1]
+    mean = stats[:, :, 0].mean(1, keepdims=True)
+    if spec.norm == "layer_norm":
+        dev = (stats[:, :, 1] + cols * (stats[:, :, 0] - mean) ** 2).sum(1, keepdims=True)
+        out = (f32(y) - mean) / np.sqrt(dev / y.shape[1] + spec.eps) * f32(gamma) + f32(beta)
+    else:
+        out = f32(y) / np.sqrt(mean + spec.eps) * f32(gamma)
+    out = out.reshape(*(lead or y.shape[:1]), n).astype(np.float32)
+    cast = out.astype(np_dtype(spec.out_dtype))
+    return [cast, out] if spec.norm_out else [cast]
+
+
