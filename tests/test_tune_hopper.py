@@ -345,3 +345,18 @@ def test_compile_uses_the_fastest_b2b_record(tmp_path, monkeypatch, caplog):
         OffloadHopperB2B(target, lambda *_: None, load_database(logs, target))(FuseComputeMemory(target=target, hopper=True)(mod))
     assert seen == [space[4]] and "1 of 1 wgmma b2b pairs use tuned configurations" in caplog.text
     assert applied_from_database(mod, H100, logs, hopper_groups=B2B) == (1, 1)
+
+
+def test_descriptions_leave_fields_added_later_out_at_their_defaults():
+    """A task's workload carries its kernel description's JSON, and records are keyed by the
+    workload: a field added to the descriptions (``PostNorm.sum_out``, ``Elementwise.stats``)
+    must not appear at its default, or every shipped log stops matching. Set, it round-trips."""
+    import dataclasses  # pylint: disable=import-outside-toplevel
+
+    from tvm_comfuse.schedule import wgmma_elementwise as we  # pylint: disable=import-outside-toplevel
+
+    plain = hopper.Description(wp.PostNorm.suite(), (4096, 768, 768), (4096,), (0, 1, 2, 3, 4, 5), ("out",))
+    assert not any(f in plain.to_json() for f in hopper.LATER_FIELDS)
+    for desc in (dataclasses.replace(plain, spec=dataclasses.replace(plain.spec, sum_out=True)),
+                 hopper.Description(we.Elementwise(stats="rms_norm"), (256, 512, 64), (256,), (0, 1), ("out",), "elementwise")):
+        assert hopper.Description.from_json(desc.to_json()) == desc

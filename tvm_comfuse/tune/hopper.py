@@ -60,7 +60,7 @@ def _postnorm_spec(d: dict) -> wp.PostNorm:
 def _elementwise_spec(d: dict) -> we.Elementwise:
     layout = tuple(tuple(part) for part in d["layout"]) if d["layout"] else ()
     return we.Elementwise(d["dtype"], tuple(Step(**s) for s in d["steps"]), tuple(tuple(o) for o in d["operands"]),
-                          d["out_dtype"], layout)
+                          d["out_dtype"], layout, d.get("stats", ""))
 
 
 def _b2b_spec(d: dict) -> wb.B2B:
@@ -97,6 +97,20 @@ FAMILIES = {
 KINDS = tuple(f.kind for f in FAMILIES.values())
 
 
+#: Description fields added after logs shipped, with their defaults: left out of a description's
+#: JSON at those (the workload a record is keyed by carries that JSON; with them, every shipped
+#: log would stop matching its workload).
+LATER_FIELDS = {"sum_out": False, "stats": ""}
+
+
+def _without_later_defaults(d):
+    """``d`` (a description as a dict, nested for the back-to-back pair) without the
+    :data:`LATER_FIELDS` that hold their defaults."""
+    if not isinstance(d, dict):
+        return d
+    return {k: _without_later_defaults(v) for k, v in d.items() if not (k in LATER_FIELDS and v == LATER_FIELDS[k])}
+
+
 @dataclasses.dataclass(frozen=True)
 class Description:
     """What a Hopper kernel needs beyond a configuration: its family, its description (the chain,
@@ -111,7 +125,8 @@ class Description:
     family: str = "postnorm"
 
     def to_json(self) -> str:
-        d = {"spec": dataclasses.asdict(self.spec), "mnk": self.mnk, "lead": self.lead, "roles": self.roles, "order": self.order}
+        d = {"spec": _without_later_defaults(dataclasses.asdict(self.spec)), "mnk": self.mnk, "lead": self.lead, "roles": self.roles,
+             "order": self.order}
         if self.family != "postnorm":  # the post-norm's JSON (what the shipped logs' workloads carry) stays as it was
             d["family"] = self.family
         return json.dumps(d, sort_keys=True)
