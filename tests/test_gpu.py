@@ -507,6 +507,22 @@ def test_gpu_hopper_pipeline_matches_pytorch(M, K, N, dtype, norm, batch):
     assert (out.cpu().double() - torch.from_numpy(ref)).abs().max().item() <= TOL[dtype]
 
 
+@pytest.mark.parametrize("M, K, N, dtype, norm", [(1024, 4096, 4096, "bfloat16", "rms_norm"), (200, 768, 768, "float16", "layer_norm")])
+def test_gpu_pre_norm_residual_stream_runs_split(M, K, N, dtype, norm):
+    """A block that returns the sum beside its norm (a pre-norm transformer's residual stream)
+    runs as the split GEMM + norm kernels at any width; both outputs match PyTorch in fp32."""
+    import tvm  # pylint: disable=import-outside-toplevel
+
+    _need_sm90(tvm)
+    mod = wl.post_norm(M, K, N, dtype, norm, linear=True, residual_out=True)
+    args = _inputs(M, K, N, dtype, linear=True)
+    (out, s), kernels = _run_on_gpu(mod, args, hopper=True)
+    assert sum(k.startswith("comfuse_wgmma_") for k in kernels) == 2
+    ref_out, ref_s = wl.post_norm_reference([a.float().cpu().numpy() for a in args], norm, linear=True, residual_out=True)
+    assert (s.cpu().double() - torch.from_numpy(ref_s)).abs().max().item() <= 2 * TOL[dtype]  # sums up to ~6
+    assert (out.cpu().double() - torch.from_numpy(ref_out)).abs().max().item() <= TOL[dtype]
+
+
 def test_gpu_tune_the_wgmma_kernel_then_compile_from_its_logs(tmp_path):
     """``comfuse tune`` on sm_90 measures the wgmma post-norm kernel's configurations (built in
     the worker pool, timed by MetaSchedule's runner, none failing), and a compile from the logs

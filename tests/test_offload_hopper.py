@@ -270,3 +270,44 @@ def test_a_pre_norm_blocks_residual_stream_comes_from_the_split_gemm(batch):
     want = wl.post_norm_reference([a.astype(np.float32) for a in arrays], "rms_norm", linear=True, residual_out=True)
     assert len(calls) == 2 and len(got) == 2
     assert np.abs(got[0] - want[0]).max() <= 1e-2 and np.abs(got[1] - want[1]).max() <= 1e-2  # a few ulps of values up to ~8
+
+
+def test_a_llama_style_block_without_bias_runs_split():
+    """``h = x @ w.T + r; (rms_norm(h), h)`` with no bias (LLaMA's output projections): one added
+    operand, which the one-kernel post-norm does not take and the split kernels do; both outputs
+    match a float64 reference."""
+    bb = relax.BlockBuilder()
+    x, w, r = (relax.Var(n, relax.TensorType(s, "float16")) for n, s in (("x", (64, 64)), ("w", (512, 64)), ("r", (64, 512))))
+    gamma = relax.Var("gamma", relax.TensorType((512,), "float16"))
+    with bb.function("main", [x, w, r, gamma]):
+        with bb.dataflow():
+            h = bb.emit(relax.op.add(bb.emit(relax.op.matmul(x, bb.emit(relax.op.permute_dims(w)))), r))
+            out = bb.emit(relax.op.nn.rms_norm(h, gamma, axes=[-1], epsilon=1e-5))
+            result = bb.emit_output(relax.Tuple([out, h]))
+        bb.emit_func_output(result)
+    mod = bb.get()
+    arrays = _random(mod["main"].params)
+    grouped, groups = _groups(mod, "llvm")
+    (found,) = [match_postnorm(f) for f in groups]
+    assert len(found[0].operands) == 1 and found[0].sum_out and not sn.problems(*found[2], found[0])
+    calls = []
+    got = _run_llvm(OffloadHopperPostNorm("llvm", build=_numpy_kernels(calls))(grouped), arrays)
+    s = arrays[0].astype(np.float64) @ arrays[1].astype(np.float64).T + arrays[2]
+    want = s / np.sqrt((s**2).mean(-1, keepdims=True) + 1e-5) * arrays[3].astype(np.float64)
+    assert len(calls) == 2 and np.abs(got[0] - want).max() <= 1e-2 and np.abs(got[1] - s).max() <= 1e-2
+
+
+def test_split_norm_is_opt_in_and_then_splits_what_the_cluster_kernel_would_take():
+    """``hopper_groups`` with ``"split_norm"`` (not among the defaults until measured) runs a
+    post-norm the cluster kernel takes as the split kernels instead, with the same answer."""
+    assert "split_norm" in cf.pipeline.HOPPER_GROUPS and "split_norm" not in cf.pipeline.DEFAULT_HOPPER_GROUPS
+    passes = cf.pipeline.fusion_passes(tvm.target.Target(SM90A), hopper_groups=("split_norm",))
+    assert [p.split for p in passes if isinstance(p, OffloadHopperPostNorm)] == [True]
+    mod = wl.post_norm(64, 128, 512, "float16", "layer_norm", linear=True)
+    arrays = _random(mod["main"].params)
+    grouped, _ = _groups(mod, "llvm")
+    for split, kernels in ((False, 1), (True, 2)):
+        calls = []
+        (got,), (want,) = _run_llvm(OffloadHopperPostNorm("llvm", build=_numpy_kernels(calls), split=split)(grouped), arrays), \
+            _run_llvm(mod, arrays)
+        assert len(calls) == kernels and np.abs(got - want).max() <= 2e-2

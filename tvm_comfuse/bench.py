@@ -7,8 +7,8 @@ default pipeline: DLight; and, when asked, tuned by MetaSchedule's stock rules w
 budget ComFuse's logs had) and ComFuse (its default pipeline: on sm_90 the Hopper wgmma
 kernels; ``comfuse_mma_sync``: the portable mma.sync rule, untuned; ``comfuse_tuned``: the
 default pipeline with the shipped tuning logs, the wgmma kernels' tuned configurations on sm_90;
-``comfuse_hopper_all``, models, attention and MLPs only: the pipeline with every Hopper kernel,
-which is the default since session 15 (before, the post-norm kernel alone); ``sdpa``,
+``comfuse_hopper_all``: the pipeline with every Hopper kernel, the opt-in ``split_norm`` too
+(session 17: post-norms as the GEMM with row statistics + a norm kernel); ``sdpa``,
 attention only: PyTorch's ``scaled_dot_product_attention``, flash attention on the H200). Each contender's output is checked against a float32
 PyTorch reference before it is timed; a wrong result is reported and not timed. Two times
 per call: device time (sum of kernel durations from the CUDA profiler, so launch and VM
@@ -156,6 +156,8 @@ def _contenders(torch, shape, norm, dtype, args, which, target):
     for name, comfuse, hopper in (("tvm_dlight", False, None), ("comfuse_mma_sync", True, False), ("comfuse", True, None)):
         if name in which:
             out[name] = lambda m=mod, c=comfuse, h=hopper: _tvm_callable(torch, m, args, c, target, hopper=h)
+    if "comfuse_hopper_all" in which:
+        out["comfuse_hopper_all"] = lambda m=mod: _tvm_callable(torch, m, args, True, target, hopper_groups=HOPPER_GROUPS)
     if "tvm_metaschedule" in which:
         out["tvm_metaschedule"] = lambda m=mod: _vanilla_tuned_callable(torch, m, args, target)
     logs = tuned_logs(shape.name)

@@ -115,13 +115,16 @@ def vanilla_fusion_passes():
 
 #: The Hopper kernels ComFuse has, by the groups they take: ``post_norm`` (GEMM + row norm),
 #: ``attention`` (multi-head attention), ``b2b`` (GEMM -> elementwise -> GEMM through a narrow
-#: intermediate), ``elementwise`` (GEMM + elementwise chain).
-HOPPER_GROUPS = ("post_norm", "attention", "b2b", "elementwise")
-#: Those ``get_pipeline`` runs on sm_90 unless told otherwise: all of them, each measured faster on
-#: the H200 than what it replaces (session 15, ``notebooks/results/session15-h200-2026-12-05/``:
-#: BERT-base end to end 2052 us against 5359 with the post-norm kernel alone; ``("post_norm",)``
-#: is that earlier default).
-DEFAULT_HOPPER_GROUPS = HOPPER_GROUPS
+#: intermediate), ``elementwise`` (GEMM + elementwise chain); ``split_norm``: post-norms split
+#: into the GEMM with row statistics and a norm kernel wherever those take them, not only for
+#: rows wider than a cluster holds (:mod:`tvm_comfuse.schedule.split_norm`).
+HOPPER_GROUPS = ("post_norm", "attention", "b2b", "elementwise", "split_norm")
+#: Those ``get_pipeline`` runs on sm_90 unless told otherwise: all but ``split_norm``, each
+#: measured faster on the H200 than what it replaces (session 15,
+#: ``notebooks/results/session15-h200-2026-12-05/``: BERT-base end to end 2052 us against 5359
+#: with the post-norm kernel alone; ``("post_norm",)`` is that earlier default). ``split_norm``
+#: (session 17) is opt-in until it is measured.
+DEFAULT_HOPPER_GROUPS = ("post_norm", "attention", "b2b", "elementwise")
 
 
 def resolve_hopper_groups(groups) -> tuple:
@@ -143,13 +146,13 @@ def fusion_passes(target=None, hopper: bool | None = None, database=None, build=
     folds the casts and the transpose it leaves on the projections' outputs into their kernels;
     the b2b pass too, which takes GEMM + elementwise pairs the elementwise one would take apart."""
     groups = resolve_hopper_groups(hopper_groups)
-    offload = []
+    offload, norms = [], "post_norm" in groups or "split_norm" in groups
     if target is not None and uses_hopper(target, hopper):
-        offload += [OffloadHopperPostNorm(target, build, database)] if "post_norm" in groups else []
+        offload += [OffloadHopperPostNorm(target, build, database, split="split_norm" in groups)] if norms else []
         offload += [OffloadHopperAttention(target, build)] if "attention" in groups else []
         offload += [OffloadHopperB2B(target, build, database)] if "b2b" in groups else []
         offload += [OffloadHopperElementwise(target, build, database)] if "elementwise" in groups else []
-    keeps = bool(offload) and "post_norm" in groups  # groups the rule declines stay whole for the post-norm kernel
+    keeps = bool(offload) and norms  # groups the rule declines stay whole for the post-norm kernels
     return [FuseComputeMemory(target=target, hopper=keeps), *offload, *vanilla_fusion_passes(), AnnotateFusedBlocks()]
 
 
@@ -263,9 +266,11 @@ def get_pipeline(target, database=None, hopper: bool | None = None, hopper_group
         default): ``"post_norm"`` (GEMM + LayerNorm/RMSNorm), ``"attention"`` (multi-head
         attention in one kernel, :mod:`tvm_comfuse.transform.offload_hopper_attention`),
         ``"b2b"`` (GEMM -> elementwise -> GEMM through a narrow intermediate,
-        :mod:`tvm_comfuse.transform.offload_hopper_b2b`) and ``"elementwise"`` (``gelu(x @ w.T +
+        :mod:`tvm_comfuse.transform.offload_hopper_b2b`), ``"elementwise"`` (``gelu(x @ w.T +
         b)``, ``x @ w.T + b``, writing attention's head layout where it follows:
-        :mod:`tvm_comfuse.transform.offload_hopper_elementwise`).
+        :mod:`tvm_comfuse.transform.offload_hopper_elementwise`) and, opt-in, ``"split_norm"``
+        (post-norms as the GEMM with row statistics + a norm kernel wherever those take them:
+        :mod:`tvm_comfuse.schedule.split_norm`).
     """
     from .tune.logs import read_meta  # pylint: disable=import-outside-toplevel  (tune imports us)
     from .tune.representative import counterparts  # pylint: disable=import-outside-toplevel

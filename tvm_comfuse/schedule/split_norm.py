@@ -70,8 +70,10 @@ def vector(spec: PostNorm) -> int:
 
 
 def problems(m, n, k, spec: PostNorm, cfg: WgmmaConfig | None = None) -> list:
-    """What keeps the split kernels from this group (empty if nothing)."""
-    found = spec.problems()
+    """What keeps the split kernels from this group (empty if nothing). Unlike the post-norm
+    kernel they take any number of added operands (a pre-norm block's residual alone: LLaMA's
+    projections have no bias)."""
+    found = spec.problems(two_operands=False)
     if found or not all(isinstance(d, int) for d in (m, n, k)):
         return found or [f"symbolic shape M, N, K = {m}, {n}, {k} (static only)"]
     if n % (32 * vector(spec)):
@@ -184,19 +186,9 @@ def schedule_norm(func: tvm.tirx.PrimFunc, n: int, spec: PostNorm) -> tvm.tirx.P
     return sch.mod["main"]
 
 
-def reference(spec: PostNorm, x, w, p0, p1, gamma, beta=None, parts: int = 1) -> list:
-    """NumPy model of the two kernels: the GEMM kernel's ``y`` and ``stats`` (each row's ``parts``
-    equal parts: mean, centred sum of squares, or mean of squares and 0 for RMSNorm), then the
-    norm from them; ``[out]`` (``[out, norm]`` with ``norm_out``), as
-    :func:`.wgmma_postnorm.reference` returns for the same group. The oracle of the offload's
-    CPU tests."""
-    y, stats = reference_gemm(spec, x, w, p0, p1, parts)
-    return reference_norm(spec, y, stats, gamma, beta, lead=x.shape[:-1])
-
-
-def reference_gemm(spec: PostNorm, x, w, p0, p1, parts: int):
-    """NumPy model of the GEMM kernel: ``(y, stats)``."""
-    y = elementwise_reference(gemm_spec(spec), x, w, p0, p1)
+def reference_gemm(spec: PostNorm, x, w, operands, parts: int):
+    """NumPy model of the GEMM kernel on the added ``operands``: ``(y, stats)``."""
+    y = elementwise_reference(gemm_spec(spec), x, w, *operands)
     return y, row_statistics(y, parts, spec.norm)
 
 

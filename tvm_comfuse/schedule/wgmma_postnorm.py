@@ -119,13 +119,17 @@ class PostNorm:
         return cls(dtype, (Step("cast", dtype), Step("add", dtype, 0), Step("add", dtype, 1), Step("cast", "float32")),
                    ((dtype, False), (dtype, True)), norm, 1e-5, dtype, dtype)
 
-    def problems(self) -> list:
-        """What the kernel cannot compute of this description (empty if nothing)."""
+    def problems(self, two_operands: bool = True) -> list:
+        """What the kernel cannot compute of this description (empty if nothing); with
+        ``two_operands`` False, any number of added operands, each added once (the split
+        kernels', :mod:`.split_norm`)."""
         found = []
         if self.norm not in NORMS:
             found.append(f"norm {self.norm!r} (one of {NORMS})")
-        if sorted(s.operand for s in self.steps if s.op == "add") != [0, 1] or len(self.operands) != 2:
-            found.append("a chain without exactly two added operands (a bias and a residual)")
+        used = sorted(s.operand for s in self.steps if s.op == "add")
+        if used != list(range(len(self.operands))) or (two_operands and len(self.operands) != 2):
+            found.append("a chain without exactly two added operands (a bias and a residual)" if two_operands else
+                         f"added operands {used} (each of the {len(self.operands)} operands once)")
         if any(s.op not in ("cast", "add") for s in self.steps):
             found.append(f"ops {sorted({s.op for s in self.steps} - {'cast', 'add'})} in the chain (casts and adds only)")
         if (self.steps[-1].dtype if self.steps else "float32") != "float32":

@@ -229,7 +229,7 @@ def uses_hopper(target, hopper: bool | None = None) -> bool:
     return bool(is_hopper(parse_target(target)) if hopper is None else hopper)
 
 
-def postnorm_kernel(m, n, k, spec) -> tuple:
+def postnorm_kernel(m, n, k, spec, split: bool = False) -> tuple:
     """Which Hopper kernel computes a post-norm group: ``("cluster", [])`` where the post-norm
     kernel's cluster holds its rows (:mod:`~tvm_comfuse.schedule.wgmma_postnorm`), else, for
     rows wider than a cluster holds, ``("split", [])`` where the GEMM + row statistics kernel
@@ -237,12 +237,13 @@ def postnorm_kernel(m, n, k, spec) -> tuple:
     keeps each)``. Groups that also return the sum before the norm (a pre-norm block's
     residual stream) run split too: its GEMM kernel writes that sum anyway. Rows a cluster could
     hold but the kernel cannot take otherwise (M not a multiple of 64) stay with the gemm_reduce
-    rule's one kernel."""
+    rule's one kernel. ``split``: the split wherever it takes a group the cluster kernel would
+    (``hopper_groups`` with ``"split_norm"``: opt-in until measured)."""
     from ..schedule import split_norm as sn, wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
 
     cluster = wp.problems(m, n, k, spec)
     if not cluster:
-        return "cluster", []
+        return ("split", []) if split and not sn.problems(m, n, k, spec) else ("cluster", [])
     if not isinstance(n, int) or (wp.slices(n) and not spec.sum_out):
         return None, cluster
     split = sn.problems(m, n, k, spec)
@@ -294,19 +295,19 @@ def groups_taken(mod: tvm.IRModule, kind: str, match, problems):
         yield gv, func, found
 
 
-def postnorm_groups(mod: tvm.IRModule):
+def postnorm_groups(mod: tvm.IRModule, split: bool = False):
     """``(global var, function, match_postnorm's result, kernel)`` of each outlined
-    ``gemm_reduce`` group of ``mod`` a Hopper kernel takes (:func:`postnorm_kernel`): what
-    :class:`OffloadHopperPostNorm` replaces."""
+    ``gemm_reduce`` group of ``mod`` a Hopper kernel takes (:func:`postnorm_kernel`, ``split``
+    as there): what :class:`OffloadHopperPostNorm` replaces."""
     for gv, func, found in groups_taken(mod, "gemm_reduce", match_postnorm, lambda *a: postnorm_kernel(*a)[1]):
-        yield gv, func, found, postnorm_kernel(*found[2], found[0])[0]
+        yield gv, func, found, postnorm_kernel(*found[2], found[0], split)[0]
 
 
-def taken_groups(mod: tvm.IRModule):
+def taken_groups(mod: tvm.IRModule, split: bool = False):
     """``(global var, function, match_postnorm's result)`` of each outlined ``gemm_reduce``
-    group of ``mod`` the post-norm kernel takes whole: what ``comfuse tune`` makes its tasks
-    (the split kernels of wider rows run their defaults)."""
-    return ((gv, func, found) for gv, func, found, kernel in postnorm_groups(mod) if kernel == "cluster")
+    group of ``mod`` the post-norm kernel takes whole (``split`` as in :func:`postnorm_kernel`):
+    what ``comfuse tune`` makes its tasks (the split kernels run their defaults)."""
+    return ((gv, func, found) for gv, func, found, kernel in postnorm_groups(mod, split) if kernel == "cluster")
 
 
 class Kernels:
@@ -408,7 +409,14 @@ class OffloadHopperPostNorm(HopperOffload):  # pylint: disable=too-few-public-me
     ``database`` (a MetaSchedule Database, ``comfuse tune``'s logs): a group with a record
     there runs the configuration tuned for it (:mod:`tvm_comfuse.tune.hopper`), the others the
     untuned default.
+
+    ``split``: every group the split kernels take runs split (:func:`postnorm_kernel`), not only
+    rows wider than a cluster holds: ``hopper_groups`` with ``"split_norm"``.
     """
+
+    def __init__(self, target, build=None, database=None, split: bool = False):
+        super().__init__(target, build, database)
+        self.split = split
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         """Build each eligible group's kernel, rewrite its calls, drop the outlined function."""
@@ -419,7 +427,7 @@ class OffloadHopperPostNorm(HopperOffload):  # pylint: disable=too-few-public-me
         if build is None:
             return mod
         offloads, kernels, tuned, whole = {}, Kernels(build, "comfuse_wgmma"), 0, 0
-        for gv, func, found, kernel in postnorm_groups(mod):
+        for gv, func, found, kernel in postnorm_groups(mod, self.split):
             spec, roles, mnk, out_shape, order = found
             if kernel == "split":
                 offloads[gv.name_hint] = split_call(kernels, gv.name_hint, found)
@@ -459,8 +467,9 @@ def split_call(kernels: Kernels, name: str, found):
                           (m, n, k))
 
     def emit(bb, args):
-        x, w, p0, p1, *params = [args[i] for i in roles]
-        both = bb.emit(relax.call_dps_packed(relax.ExternFunc(gemm), relax.Tuple([x, w, p0, p1]), [
+        ins = [args[i] for i in roles]
+        operands, params = ins[: 2 + len(spec.operands)], ins[2 + len(spec.operands):]  # x, w, the added ones; gamma (, beta)
+        both = bb.emit(relax.call_dps_packed(relax.ExternFunc(gemm), relax.Tuple(operands), [
             relax.TensorType([*lead, n], sn.sum_dtype(spec)), relax.TensorType([m, parts, 2], "float32")]))
         y, stats = bb.emit(relax.TupleGetItem(both, 0)), bb.emit(relax.TupleGetItem(both, 1))
         outs = [relax.TensorType(out_shape, spec.out_dtype)] + ([relax.TensorType(out_shape, "float32")] if spec.norm_out else [])

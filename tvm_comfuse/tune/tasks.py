@@ -63,7 +63,7 @@ def hopper_tasks(mod: tvm.IRModule, target: tvm.target.Target, hopper_groups=Non
     the other offloads, with the layouts their tails ask for)."""
     groups = resolve_hopper_groups(hopper_groups)
     with target:
-        grouped = FuseComputeMemory(target=target, hopper="post_norm" in groups)(mod)
+        grouped = FuseComputeMemory(target=target, hopper="post_norm" in groups or "split_norm" in groups)(mod)
     tasks = {}
 
     def add(name, kind, task_mod):
@@ -73,11 +73,12 @@ def hopper_tasks(mod: tvm.IRModule, target: tvm.target.Target, hopper_groups=Non
         else:
             tasks[key] = Task(name, kind, task_mod, 1)
 
-    if "post_norm" in groups:
-        for gv, func, found in taken_groups(grouped):
+    split, norms = "split_norm" in groups, "post_norm" in groups or "split_norm" in groups
+    if norms:
+        for gv, func, found in taken_groups(grouped, split):
             add(gv.name_hint, hopper.KIND, hopper.workload(func, hopper.describe(found)))
     noop = lambda *_: None  # noqa: E731  (rewrite the graph as the compile does, build nothing)
-    before = [OffloadHopperPostNorm(target, noop)] if "post_norm" in groups else []
+    before = [OffloadHopperPostNorm(target, noop, split=split)] if norms else []
     before += [OffloadHopperAttention(target, noop)] if "attention" in groups else []
     with target:
         seen = tvm.transform.Sequential(before)(grouped)
