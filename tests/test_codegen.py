@@ -372,7 +372,7 @@ def test_split_postnorm_kernels_write_row_statistics_from_the_staged_sum(m, n, d
     residual) for its TMA stores, reads it back for each row's statistics over the warpgroup's
     256 columns (quad shuffles; two passes for LayerNorm) and stores only those to global
     memory, persistent where its tiles take more than a wave; the norm kernel moves the row in
-    16-byte vectors. Both compile for sm_90a without spills; the GEMM reads no accumulator
+    16-byte vectors, its statistics combined across the CTA (barriers) or by each thread. Both compile for sm_90a without spills; the GEMM reads no accumulator
     before the last wgmma wait."""
     from tvm_comfuse.schedule import split_norm as sn, wgmma_mainloop as wm, wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
 
@@ -389,10 +389,12 @@ def test_split_postnorm_kernels_write_row_statistics_from_the_staged_sum(m, n, d
     assert codegen.ptxas_usage(source)["spill"] == 0
     if codegen.nvdisasm() is not None:
         assert codegen.wgmma_hazards(codegen.sass(codegen.compile_with_nvcc(source, "sm_90a"))) == []
-    source = codegen.cuda_source(wm.build(norm_func, tir_pipeline="default"))
-    ptx = codegen.compile_with_nvcc(source, "sm_90a", fmt="ptx").decode()
-    assert "ld.global.nc.v4.u32" in ptx and "st.global.v4.u32" in ptx
-    assert codegen.ptxas_usage(source)["spill"] == 0
+    for per_thread, func in ((False, norm_func), (True, sn.kernels(m, n, 1024, spec, per_thread=True)[1])):
+        source = codegen.cuda_source(wm.build(func, tir_pipeline="default"))
+        ptx = codegen.compile_with_nvcc(source, "sm_90a", fmt="ptx").decode()
+        assert "ld.global.nc.v4.u32" in ptx and "st.global.v4.u32" in ptx
+        assert ("bar.sync" in ptx) != per_thread  # across the CTA, or each thread alone
+        assert codegen.ptxas_usage(source)["spill"] == 0
 
 
 @pytest.mark.parametrize("kernel", ["gemm", "gemm_one_step", "postnorm_768", "postnorm_768_bk32", "postnorm_512_cluster",

@@ -67,7 +67,7 @@ def ptxas_usage(source: str, arch: str = "sm_90a") -> dict:
                               os.path.join(tmp, "k.cu")], capture_output=True, text=True, check=False)
     if run.returncode:
         raise RuntimeError(f"nvcc failed: {run.stderr.strip()[-2000:]}")
-    number = lambda pattern: int(re.search(pattern, run.stderr).group(1))  # noqa: E731
+    number = lambda pattern: int(getattr(re.search(pattern, run.stderr), "group", lambda _: 0)(1))  # noqa: E731  (absent: 0)
     return {"registers": number(r"Used (\d+) registers"), "spill": number(r"(\d+) bytes spill stores"), "smem": number(r"(\d+) bytes smem")}
 
 

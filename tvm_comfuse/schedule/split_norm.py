@@ -86,18 +86,18 @@ def config(m: int, n: int, k: int, spec: PostNorm, cfg: WgmmaConfig | None = Non
     return cfg or default_config(m, n, k, gemm_spec(spec))
 
 
-def kernels(m: int, n: int, k: int, spec: PostNorm, cfg: WgmmaConfig | None = None, lead=None) -> tuple:
+def kernels(m: int, n: int, k: int, spec: PostNorm, cfg: WgmmaConfig | None = None, lead=None, per_thread: bool = False) -> tuple:
     """``(gemm, norm, parts)``: the GEMM kernel (tirx, sm_90a; ``(x, w, operand 0, operand 1, y,
     stats)``, ``y`` of shape ``[M, N]`` in :func:`sum_dtype`, ``stats`` ``[M, parts, 2]``), the
-    norm's scheduled PrimFunc (:func:`norm_func`, :func:`schedule_norm`), and the parts a row's
-    statistics come in."""
+    norm's scheduled PrimFunc (:func:`norm_func`, :func:`schedule_norm` with ``per_thread``),
+    and the parts a row's statistics come in."""
     found = problems(m, n, k, spec, cfg)
     if found:
         raise ComFuseError("split post-norm cannot take " + "; ".join(found))
     cfg = config(m, n, k, spec, cfg)
     parts = n // cfg.wg_cols
     gemm = wgmma_elementwise(m, n, k, gemm_spec(spec), cfg, lead=lead)
-    return gemm, schedule_norm(norm_func(m, n, parts, spec, lead), n, spec), parts
+    return gemm, schedule_norm(norm_func(m, n, parts, spec, lead), n, spec, per_thread), parts
 
 
 def norm_func(m: int, n: int, parts: int, spec: PostNorm, lead=None) -> tvm.tirx.PrimFunc:
@@ -139,13 +139,16 @@ def norm_func(m: int, n: int, parts: int, spec: PostNorm, lead=None) -> tvm.tirx
     return te.create_prim_func(params)
 
 
-def schedule_norm(func: tvm.tirx.PrimFunc, n: int, spec: PostNorm) -> tvm.tirx.PrimFunc:
+def schedule_norm(func: tvm.tirx.PrimFunc, n: int, spec: PostNorm, per_thread: bool = False) -> tvm.tirx.PrimFunc:
     """``func`` (:func:`norm_func`, rows of ``n``) scheduled for a GPU: one CTA a row; its
     threads reduce the row's statistics across themselves (TVM's cross-thread reduction:
-    shuffles), each computes the reciprocal deviation once, then moves its share of the row 16
-    bytes at a time: ``y``, gamma and beta are read into registers by vector loads, the values
-    computed one by one (TVM's CUDA codegen miswrites eight-wide float32 vectors) and the output
-    written back by vector stores."""
+    shuffles and two CTA barriers), each computes the reciprocal deviation once, then moves its
+    share of the row 16 bytes at a time: ``y``, gamma and beta are read into registers by vector
+    loads, the values computed one by one (TVM's CUDA codegen miswrites eight-wide float32
+    vectors) and the output written back by vector stores. ``per_thread``: each thread combines
+    all the row's parts itself instead (``N / 256`` of them, read from L1), with no barrier, so
+    its loads of ``y`` can issue before the statistics are done; which is faster is for
+    ``experiments/split_norm.py`` to measure."""
     sch = tvm.s_tir.Schedule(func)
     vec = vector(spec)
     threads = next(t for t in NORM_THREADS if n % (t * vec) == 0)
@@ -175,13 +178,16 @@ def schedule_norm(func: tvm.tirx.PrimFunc, n: int, spec: PostNorm) -> tvm.tirx.P
         inner = sch.get_loops(b)[-1]
         sch.vectorize(sch.split(inner, [None, 16 // size(sch.get(b).writes[0].source.dtype)])[-1])
     rstd = sch.get_sblock("rstd")
-    sch.compute_at(rstd, rows)
+    sch.compute_at(rstd, tx if per_thread else rows)
     sch.set_scope(rstd, 0, "local")
     for name in ("dev_sum", "mean_sum") if spec.norm == "layer_norm" else ("mean_sum",):
         block = sch.get_sblock(name)
-        sch.compute_at(block, rows)
-        _, ptx = sch.split(sch.get_loops(block)[-1], [None, threads])
-        sch.bind(ptx, "threadIdx.x")
+        if per_thread:
+            sch.compute_at(block, tx)
+        else:
+            sch.compute_at(block, rows)
+            _, ptx = sch.split(sch.get_loops(block)[-1], [None, threads])
+            sch.bind(ptx, "threadIdx.x")
         sch.set_scope(block, 0, "local")
     return sch.mod["main"]
 
