@@ -88,7 +88,7 @@ _HALF = ("float16", "bfloat16")
 #: What :func:`analyze` says of a group each Hopper post-norm kernel takes.
 _HOPPER_NOTES = {"cluster": "runs as the Hopper wgmma post-norm kernel",
                  "split": "runs as the Hopper wgmma GEMM with its row statistics in the epilogue, then a norm kernel "
-                          "(rows wider than a cluster holds)"}
+                          "(rows wider than a cluster holds, or the sum returned too)"}
 
 
 def _plan(mod: tvm.IRModule):

@@ -13,11 +13,12 @@ through the module's ``external_mods`` (TVM's BYOC path), and the call becomes
 ``R.call_dps_packed`` of it (3-D activations are read as rows in place: no reshape). A function the
 description cannot express exactly (another op, another output, an unused binding) or the
 kernel cannot take (M not a multiple of 64, symbolic shapes) is left alone: the ``gemm_reduce``
-rule schedules it as before. Rows wider than a cluster's slices hold (N > 4096) run split
+rule schedules it as before. Rows wider than a cluster's slices hold (N > 4096), and blocks
+that also return the sum before the norm (a pre-norm block's residual stream), run split
 (:mod:`~tvm_comfuse.schedule.split_norm`): the GEMM kernel writes the sum and its row
-statistics, a norm kernel follows, two ``call_dps_packed`` in place of the group's call. On by default for sm_90
-targets (``get_pipeline(target, hopper=False)`` turns it off), where it measured faster than the
-rule on every suite shape (H200, session 8).
+statistics, a norm kernel follows, two ``call_dps_packed`` in place of the group's call. On by
+default for sm_90 targets (``get_pipeline(target, hopper=False)`` turns it off), where it
+measured faster than the rule on every suite shape (H200, session 8).
 """
 
 from __future__ import annotations
@@ -246,8 +247,8 @@ def postnorm_kernel(m, n, k, spec, split: bool = False) -> tuple:
         return ("split", []) if split and not sn.problems(m, n, k, spec) else ("cluster", [])
     if not isinstance(n, int) or (wp.slices(n) and not spec.sum_out):
         return None, cluster
-    split = sn.problems(m, n, k, spec)
-    return ("split", []) if not split else (None, cluster + [f"split into GEMM + norm kernels: {'; '.join(split)}"])
+    found = sn.problems(m, n, k, spec)
+    return ("split", []) if not found else (None, cluster + [f"split into GEMM + norm kernels: {'; '.join(found)}"])
 
 
 def hopper_takes(func: relax.Function, target: tvm.target.Target) -> str | None:
@@ -440,8 +441,8 @@ class OffloadHopperPostNorm(HopperOffload):  # pylint: disable=too-few-public-me
             offloads[gv.name_hint] = (symbol, roles, out_shape, spec.out_dtype, order)
         if not offloads:
             return mod
-        LOG.info("ComFuse: %d post-norm group(s) run as %d wgmma kernel(s) (%d split into GEMM + norm: rows wider than a "
-                 "cluster holds)", len(offloads), len(kernels.symbols), len(offloads) - whole)
+        LOG.info("ComFuse: %d post-norm group(s) run as %d wgmma kernel(s) (%d of them split into a GEMM with row statistics "
+                 "and a norm kernel)", len(offloads), len(kernels.symbols), len(offloads) - whole)
         self.report_tuned(tuned, whole, "wgmma post-norm groups")
         return replace_calls(mod, offloads, kernels.modules)
 
