@@ -360,3 +360,60 @@ def test_descriptions_leave_fields_added_later_out_at_their_defaults():
     for desc in (dataclasses.replace(plain, spec=dataclasses.replace(plain.spec, sum_out=True)),
                  hopper.Description(we.Elementwise(stats="rms_norm"), (256, 512, 64), (256,), (0, 1), ("out",), "elementwise")):
         assert hopper.Description.from_json(desc.to_json()) == desc
+
+
+def _wide():
+    return workloads.post_norm(256, 512, 8192, "float16", "rms_norm", linear=True)
+
+
+def test_split_post_norms_are_tasks_of_their_gemm():
+    """A post-norm too wide for a cluster runs split: its task is the GEMM kernel's
+    (``wgmma_split_gemm``), its workload what that kernel computes (the sum and its row
+    statistics, written in TE: on llvm it matches the kernel's NumPy model), its space every
+    GEMM + elementwise configuration with the default's warpgroup width (so every candidate
+    writes the statistics in the same parts), and a candidate builds with the workload's
+    signature."""
+    import numpy as np  # pylint: disable=import-outside-toplevel
+
+    from tvm_comfuse.schedule import split_norm as sn  # pylint: disable=import-outside-toplevel
+
+    target = tvm.target.Target(H100)
+    (task,) = extract_tasks(_wide(), target)
+    desc = hopper.description_of(task.mod)
+    assert task.kind == "wgmma_split_gemm" and desc.family == "split" and desc.spec.stats == "rms_norm"
+    space = desc.configs()
+    assert space[0] == sn.config(256, 8192, 512, wp.PostNorm.suite("float16", "rms_norm")) and len(space) > 1
+    assert {c.wg_cols for c in space} == {space[0].wg_cols}
+    ctx = ms.TuneContext(mod=task.mod, target=target, space_generator=hopper.space(target), task_name="t", num_threads=1)
+    assert [hopper.config_of(s.trace, "split") for s in ctx.generate_design_space()] == space
+    (result,) = worker_pool(workers=1).build([ms.builder.BuilderInput(ctx.generate_design_space()[-1].mod, target)])
+    assert result.error_msg is None and os.path.isfile(result.artifact_path)
+
+    small = hopper.Description(desc.spec, (64, 512, 32), (2, 32), desc.roles, desc.order, "split")
+    lib = tvm.compile(tvm.IRModule({"main": hopper.split_workload(small)["main"].without_attr(hopper.KERNEL_ATTR)}), target="llvm")
+    rng = np.random.default_rng(0)
+    x, w, b, r = (rng.standard_normal(s).astype("float16") for s in ((2, 32, 32), (512, 32), (512,), (2, 32, 512)))
+    parts = 512 // small.configs()[0].wg_cols
+    args = [tvm.runtime.tensor(a) for a in (x, w, b, r + 3, np.zeros((2, 32, 512), "float16"), np.zeros((64, parts, 2), "float32"))]
+    lib["main"](*args)
+    y, stats = sn.reference_gemm(wp.PostNorm.suite("float16", "rms_norm"), x, w, (b, r + 3), parts)
+    assert np.abs(args[4].numpy().astype(np.float32) - y.astype(np.float32)).max() <= 1e-2
+    assert np.allclose(args[5].numpy(), stats, rtol=1e-3, atol=1e-3)
+
+
+def test_compile_uses_the_fastest_split_record(tmp_path, monkeypatch, caplog):
+    """A split post-norm with a record builds its GEMM on the fastest recorded configuration,
+    and the count says so."""
+    from tvm_comfuse.pipeline import load_database  # pylint: disable=import-outside-toplevel
+    from tvm_comfuse.schedule import split_norm as sn  # pylint: disable=import-outside-toplevel
+
+    target, mod = tvm.target.Target(H100), _wide()
+    (task,) = extract_tasks(mod, target)
+    space = hopper.description_of(task.mod).configs()
+    logs = _logs(tmp_path, task, [(space[0], 3e-5), (space[-1], 2e-5)])
+    seen, real = [], sn.kernels
+    monkeypatch.setattr(sn, "kernels", lambda *a, **kw: seen.append(a[4] if len(a) > 4 else kw.get("cfg")) or real(*a, **kw))
+    with caplog.at_level(logging.INFO, logger="tvm_comfuse"), target:
+        OffloadHopperPostNorm(target, lambda *_: None, load_database(logs, target))(FuseComputeMemory(target=target, hopper=True)(mod))
+    assert seen == [space[-1]] and "1 of 1 wgmma post-norm groups use tuned configurations" in caplog.text
+    assert applied_from_database(mod, H100, logs) == (1, 1)

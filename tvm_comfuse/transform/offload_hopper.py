@@ -304,13 +304,6 @@ def postnorm_groups(mod: tvm.IRModule, split: bool = False):
         yield gv, func, found, postnorm_kernel(*found[2], found[0], split)[0]
 
 
-def taken_groups(mod: tvm.IRModule, split: bool = False):
-    """``(global var, function, match_postnorm's result)`` of each outlined ``gemm_reduce``
-    group of ``mod`` the post-norm kernel takes whole (``split`` as in :func:`postnorm_kernel`):
-    what ``comfuse tune`` makes its tasks (the split kernels run their defaults)."""
-    return ((gv, func, found) for gv, func, found, kernel in postnorm_groups(mod, split) if kernel == "cluster")
-
-
 class Kernels:
     """The kernels one pass builds, one per distinct key (a model's layers share theirs): their
     symbols, and the compiled modules to link."""
@@ -431,7 +424,9 @@ class OffloadHopperPostNorm(HopperOffload):  # pylint: disable=too-few-public-me
         for gv, func, found, kernel in postnorm_groups(mod, self.split):
             spec, roles, mnk, out_shape, order = found
             if kernel == "split":
-                offloads[gv.name_hint] = split_call(kernels, gv.name_hint, found)
+                cfg = hopper.tuned_config(self.database, hopper.split_workload(hopper.describe_split(found))) if self.database else None
+                tuned += cfg is not None
+                offloads[gv.name_hint] = split_call(kernels, gv.name_hint, found, cfg)
                 continue
             whole += 1
             cfg = self.tuned(lambda: (func, hopper.describe(found)))  # noqa: B023
@@ -443,14 +438,15 @@ class OffloadHopperPostNorm(HopperOffload):  # pylint: disable=too-few-public-me
             return mod
         LOG.info("ComFuse: %d post-norm group(s) run as %d wgmma kernel(s) (%d of them split into a GEMM with row statistics "
                  "and a norm kernel)", len(offloads), len(kernels.symbols), len(offloads) - whole)
-        self.report_tuned(tuned, whole, "wgmma post-norm groups")
+        self.report_tuned(tuned, len(offloads), "wgmma post-norm groups")
         return replace_calls(mod, offloads, kernels.modules)
 
 
-def split_call(kernels: Kernels, name: str, found):
+def split_call(kernels: Kernels, name: str, found, cfg=None):
     """Build a split post-norm's two kernels (:mod:`~tvm_comfuse.schedule.split_norm`: the GEMM
-    with the chain and the row statistics, then the norm) and return what emits their calls in
-    place of the group's: ``emit(block_builder, the group call's args)``."""
+    with the chain and the row statistics, on configuration ``cfg`` (None: the default), then
+    the norm) and return what emits their calls in place of the group's: ``emit(block_builder,
+    the group call's args)``."""
     from ..schedule import split_norm as sn  # pylint: disable=import-outside-toplevel
 
     spec, roles, (m, n, k), out_shape, order = found
@@ -459,12 +455,12 @@ def split_call(kernels: Kernels, name: str, found):
 
     def make(part):  # one build of both PrimFuncs; the kernels' builds take their half
         if not built:
-            built["gemm"], built["norm"], built["parts"] = sn.kernels(m, n, k, spec, lead=lead)
+            built["gemm"], built["norm"], built["parts"] = sn.kernels(m, n, k, spec, cfg, lead=lead)
         return built[part]
 
-    gemm_spec, parts = sn.gemm_spec(spec), n // sn.config(m, n, k, spec).wg_cols
-    gemm = kernels.symbol(("split-gemm", spec, (m, n, k), lead), f"{name}_gemm", lambda: make("gemm"), gemm_spec, (m, n, k))
-    norm = kernels.symbol(("split-norm", spec, (m, n, k), lead), f"{name}_norm", lambda: make("norm"), sn.NormKernel(spec, parts),
+    gemm_spec, parts = sn.gemm_spec(spec), n // sn.config(m, n, k, spec, cfg).wg_cols
+    gemm = kernels.symbol(("split-gemm", spec, (m, n, k), lead, cfg), f"{name}_gemm", lambda: make("gemm"), gemm_spec, (m, n, k))
+    norm = kernels.symbol(("split-norm", spec, (m, n, k), lead, parts), f"{name}_norm", lambda: make("norm"), sn.NormKernel(spec, parts),
                           (m, n, k))
 
     def emit(bb, args):

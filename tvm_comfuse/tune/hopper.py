@@ -1,9 +1,10 @@
 """The Hopper kernels as MetaSchedule tasks: workload, space, build and lookup.
 
 The wgmma kernels (:mod:`tvm_comfuse.schedule.wgmma_postnorm`, the GEMM + elementwise one,
-:mod:`tvm_comfuse.schedule.wgmma_elementwise`, and the back-to-back GEMM one,
+:mod:`tvm_comfuse.schedule.wgmma_elementwise`, the back-to-back GEMM one,
 :mod:`tvm_comfuse.schedule.wgmma_b2b`, whose workload is the pair's two groups inlined into
-one function: each a :class:`Family`) are tirx programs, not
+one function, and a split post-norm's GEMM, :mod:`tvm_comfuse.schedule.split_norm`, whose
+workload is what it computes, written in TE: each a :class:`Family`) are tirx programs, not
 schedules of an s_tir PrimFunc, so MetaSchedule cannot search them the usual way. What makes
 one a task:
 
@@ -82,9 +83,21 @@ class Family:
     config: type = WgmmaConfig  # the configurations' dataclass
 
 
+def _split_configs(m: int, n: int, k: int, spec: we.Elementwise) -> list:
+    """The split post-norm GEMM's configurations: the GEMM + elementwise kernel's whose
+    warpgroups own as many columns as the default's, so every candidate writes the row
+    statistics in the same parts (the task's output shape)."""
+    found = elementwise_configs(m, n, k, spec)
+    return [cfg for cfg in found if cfg.wg_cols == found[0].wg_cols]
+
+
 FAMILIES = {
     "postnorm": Family(KIND, ("out", "norm"), _postnorm_spec,
                        lambda m, n, k, spec, cfg, lead: wp.wgmma_postnorm(m, n, k, spec, cfg, lead=lead), configs, wp.problems),
+    # a split post-norm's GEMM (schedule/split_norm.py): the sum and its row statistics
+    "split": Family("wgmma_split_gemm", ("out", "stats"), _elementwise_spec,
+                    lambda m, n, k, spec, cfg, lead: we.wgmma_elementwise(m, n, k, spec, cfg, lead=lead), _split_configs,
+                    we.problems),
     "elementwise": Family("wgmma_elementwise", ("out",), _elementwise_spec,
                           lambda m, n, k, spec, cfg, lead: we.wgmma_elementwise(m, n, k, spec, cfg, lead=lead), elementwise_configs,
                           we.problems),
@@ -168,6 +181,69 @@ def describe_elementwise(spec, roles, mnk, out_shape) -> Description:
     """The :class:`Description` of a GEMM + elementwise group as the offload builds it (its
     ``spec`` with the layout and cast it writes; ``out_shape`` the group's own ``[*rows, N]``)."""
     return Description(spec, tuple(mnk), tuple(out_shape[:-1]), tuple(roles), ("out",), "elementwise")
+
+
+def describe_split(found) -> Description:
+    """The :class:`Description` of a split post-norm's GEMM kernel (``match_postnorm``'s result):
+    its inputs are the group's ``x, w`` and added operands, in the kernel's order."""
+    from ..schedule.split_norm import gemm_spec  # pylint: disable=import-outside-toplevel
+
+    spec, roles, mnk, out_shape, _ = found
+    return Description(gemm_spec(spec), tuple(mnk), tuple(out_shape[:-1]), tuple(range(2 + len(spec.operands))),
+                       ("out", "stats"), "split")
+
+
+def split_workload(desc: Description) -> tvm.IRModule:
+    """The task module of a split post-norm's GEMM kernel (``desc`` from :func:`describe_split`):
+    a TE PrimFunc of what the kernel computes, ``(x, w, operands...) -> (the sum, its row
+    statistics over the default configuration's parts)``, tagged with ``desc``. Not the group's
+    own PrimFunc, as the other kernels' tasks are: that one also normalises, which the split
+    leaves to the norm kernel, and its parameters are not this kernel's."""
+    from tvm import te  # pylint: disable=import-outside-toplevel
+
+    spec, (m, n, k), lead = desc.spec, desc.mnk, tuple(desc.lead)
+    parts = n // desc.configs()[0].wg_cols
+    cols = n // parts
+
+    def f32(v):  # a tensor element (its dtype) or an expression (its type), widened
+        return v if str(getattr(v, "dtype", None) or v.ty) == "float32" else v.astype("float32")
+
+    x, w = te.placeholder((*lead, k), spec.dtype, "x"), te.placeholder((n, k), spec.dtype, "w")
+    ops = [te.placeholder((*lead, n) if tile else (n,), d, f"p{j}") for j, (d, tile) in enumerate(spec.operands)]
+    r = te.reduce_axis((0, k), "r")
+    acc = te.compute((*lead, n), lambda *i: te.sum(f32(x[(*i[:-1], r)]) * f32(w[i[-1], r]), axis=r), name="gemm")
+
+    def chain(*i):
+        v = acc(*i)
+        for step in spec.steps:
+            if step.op == "add":
+                tile = spec.operands[step.operand][1]
+                v = v + f32(ops[step.operand](*i) if tile else ops[step.operand](i[-1]))
+            elif step.op != "cast":
+                raise ValueError(f"a split post-norm's chain has casts and adds only, not {step.op!r}")
+            v = v if step.dtype == "float32" else f32(v.astype(step.dtype))
+        return v.astype(spec.out_dtype)
+
+    y = te.compute((*lead, n), chain, name="sum")
+
+    def at(row, col):  # y's element at flat row `row`
+        index = []
+        for d in reversed(lead):
+            index.insert(0, row % d)
+            row = row // d
+        return f32(y[(*index, col)])
+
+    c, c2 = te.reduce_axis((0, cols), "c"), te.reduce_axis((0, cols), "c2")
+    rms = spec.stats == "rms_norm"
+    total = te.compute((m, parts), lambda i, p: te.sum(at(i, p * cols + c) * (at(i, p * cols + c) if rms else 1.0), axis=c),
+                       name="total")
+    mean = te.compute((m, parts), lambda i, p: total[i, p] / cols, name="mean")
+    dev = te.compute((m, parts), lambda i, p: te.sum((at(i, p * cols + c2) - mean[i, p]) * (at(i, p * cols + c2) - mean[i, p]),
+                                                     axis=c2), name="dev")
+    stats = te.compute((m, parts, 2), lambda i, p, s: te.if_then_else(s == 0, mean[i, p], te.const(0.0, "float32") if rms else dev[i, p]),
+                       name="stats")
+    prim = te.create_prim_func([x, w, *ops, y, stats])
+    return tvm.IRModule({"main": prim.with_attr("global_symbol", "main").with_attr(KERNEL_ATTR, desc.to_json())})
 
 
 def describe_b2b(spec, mnk, leads, inputs: int) -> Description:

@@ -7,7 +7,8 @@ hopper=False)`` compiles the same module: a record tuned here is a record found 
 
 What MetaSchedule tunes: on sm_90 targets (where ``get_pipeline`` runs post-norm groups as the
 Hopper wgmma kernel by default) each group that kernel takes is a ``wgmma_postnorm`` task, its
-configurations the space (:mod:`.hopper`), and with ``hopper_groups`` naming ``elementwise``
+configurations the space (:mod:`.hopper`; a post-norm that runs split, rows wider than a
+cluster holds, is a ``wgmma_split_gemm`` task of its GEMM), and with ``hopper_groups`` naming ``elementwise``
 each GEMM + elementwise group the Hopper kernel takes a ``wgmma_elementwise`` task (naming
 ``b2b``, each GEMM -> elementwise -> GEMM pair a ``wgmma_b2b`` task); every other
 fused group is a task of the gemm_reduce or gemm_elementwise rule's space (and, with
@@ -26,7 +27,7 @@ from tvm.s_tir import meta_schedule as ms
 from ..pipeline import resolve_hopper_groups, fusion_passes
 from ..transform import FuseComputeMemory, OffloadHopperAttention, OffloadHopperB2B, OffloadHopperPostNorm
 from ..transform.fuse_compute_memory import KIND_ATTR
-from ..transform.offload_hopper import taken_groups, uses_hopper
+from ..transform.offload_hopper import postnorm_groups, uses_hopper
 from ..transform.offload_hopper_b2b import planned_pairs
 from ..transform.offload_hopper_elementwise import planned_groups
 from . import hopper
@@ -75,8 +76,12 @@ def hopper_tasks(mod: tvm.IRModule, target: tvm.target.Target, hopper_groups=Non
 
     split, norms = "split_norm" in groups, "post_norm" in groups or "split_norm" in groups
     if norms:
-        for gv, func, found in taken_groups(grouped, split):
-            add(gv.name_hint, hopper.KIND, hopper.workload(func, hopper.describe(found)))
+        for gv, func, found, kernel in postnorm_groups(grouped, split):
+            if kernel == "split":  # the GEMM with the row statistics; its norm kernel has nothing to tune
+                desc = hopper.describe_split(found)
+                add(gv.name_hint, desc.kind, hopper.split_workload(desc))
+            else:
+                add(gv.name_hint, hopper.KIND, hopper.workload(func, hopper.describe(found)))
     noop = lambda *_: None  # noqa: E731  (rewrite the graph as the compile does, build nothing)
     before = [OffloadHopperPostNorm(target, noop, split=split)] if norms else []
     before += [OffloadHopperAttention(target, noop)] if "attention" in groups else []
