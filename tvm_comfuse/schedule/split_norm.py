@@ -97,7 +97,7 @@ def kernels(m: int, n: int, k: int, spec: PostNorm, cfg: WgmmaConfig | None = No
     cfg = config(m, n, k, spec, cfg)
     parts = n // cfg.wg_cols
     gemm = wgmma_elementwise(m, n, k, gemm_spec(spec), cfg, lead=lead)
-    return gemm, schedule_norm(norm_func(m, n, parts, spec, lead), n, spec, per_thread), parts
+    return gemm, schedule_norm(norm_func(m, n, parts, spec, lead), m, n, spec, per_thread), parts
 
 
 def norm_func(m: int, n: int, parts: int, spec: PostNorm, lead=None) -> tvm.tirx.PrimFunc:
@@ -139,19 +139,21 @@ def norm_func(m: int, n: int, parts: int, spec: PostNorm, lead=None) -> tvm.tirx
     return te.create_prim_func(params)
 
 
-def schedule_norm(func: tvm.tirx.PrimFunc, n: int, spec: PostNorm, per_thread: bool = False) -> tvm.tirx.PrimFunc:
-    """``func`` (:func:`norm_func`, rows of ``n``) scheduled for a GPU: one CTA a row; its
-    threads reduce the row's statistics across themselves (TVM's cross-thread reduction:
-    shuffles and two CTA barriers), each computes the reciprocal deviation once, then moves its
-    share of the row 16 bytes at a time: ``y``, gamma and beta are read into registers by vector
-    loads, the values computed one by one (TVM's CUDA codegen miswrites eight-wide float32
-    vectors) and the output written back by vector stores. ``per_thread``: each thread combines
-    all the row's parts itself instead (``N / 256`` of them, read from L1), with no barrier, so
-    its loads of ``y`` can issue before the statistics are done; which is faster is for
-    ``experiments/split_norm.py`` to measure."""
+def schedule_norm(func: tvm.tirx.PrimFunc, m: int, n: int, spec: PostNorm, per_thread: bool = False) -> tvm.tirx.PrimFunc:
+    """``func`` (:func:`norm_func`, ``m`` rows of ``n``) scheduled for a GPU: a row's threads
+    (up to 256; a CTA holds up to 8 rows where a row has fewer, so short rows still fill the
+    SMs' thread slots) reduce the row's statistics across themselves (TVM's cross-thread
+    reduction: shuffles and CTA barriers), each computes the reciprocal deviation once, then
+    moves its share of the row 16 bytes at a time: ``y``, gamma and beta are read into
+    registers by vector loads, the values computed one by one (TVM's CUDA codegen miswrites
+    eight-wide float32 vectors) and the output written back by vector stores. ``per_thread``:
+    each thread combines all the row's parts itself instead (``N / 256`` of them, read from
+    L1), with no barrier, so its loads of ``y`` can issue before the statistics are done; which
+    is faster is for ``experiments/split_norm.py`` to measure."""
     sch = tvm.s_tir.Schedule(func)
     vec = vector(spec)
     threads = next(t for t in NORM_THREADS if n % (t * vec) == 0)
+    rows_per_cta = next(r for r in (8, 4, 2, 1) if r * threads <= max(NORM_THREADS) and m % r == 0)
     out = sch.get_sblock("out")
     compute = sch.get_sblock("norm") if spec.norm_out else out  # the block that computes the values
     reads = [str(r.source.name) for r in sch.get(compute).reads]
@@ -160,10 +162,11 @@ def schedule_norm(func: tvm.tirx.PrimFunc, n: int, spec: PostNorm, per_thread: b
     if spec.norm_out:  # the float32 values stay in registers for their cast
         stores.append(sch.cache_write(compute, 0, "local", consumer_blocks=[out]))
     loops = sch.get_loops(compute)
-    rows = sch.fuse(*loops[:-1]) if len(loops) > 2 else loops[0]
+    ctas, rows = sch.split(sch.fuse(*loops[:-1]) if len(loops) > 2 else loops[0], [None, rows_per_cta])
     chunks, tx, v = sch.split(loops[-1], [None, threads, vec])
     sch.reorder(tx, chunks)  # each thread's chunks in one unrolled loop: their loads in flight together
-    sch.bind(rows, "blockIdx.x")
+    sch.bind(ctas, "blockIdx.x")
+    sch.bind(rows, "threadIdx.y")
     sch.bind(tx, "threadIdx.x")
     sch.unroll(chunks)
     sch.unroll(v)
