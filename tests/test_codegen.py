@@ -1,5 +1,6 @@
 """CUDA code generation for sm_90 without a GPU: the fused groups' kernels compile with nvcc."""
 
+import dataclasses
 import re
 
 import pytest
@@ -353,13 +354,15 @@ def test_wgmma_elementwise_persistent_ctas_stage_in_buffers_of_their_own(cfg, st
 
 def test_wgmma_elementwise_refuses_what_persistent_ctas_cannot_run():
     """Ping-pong groups are one warpgroup of 64 rows; persistent CTAs run one an SM with a
-    producer warpgroup; the resident B is the post-norm kernel's. Each refusal names the knob."""
+    producer warpgroup; the resident B is the post-norm kernel's; a staged tile operand needs
+    persistent CTAs and a tile in the output's dtype (FFN1 has none). Each refusal names the knob."""
     from tvm_comfuse.errors import ComFuseError  # pylint: disable=import-outside-toplevel
     from tvm_comfuse.schedule import wgmma_elementwise as we, wgmma_mainloop as wm  # pylint: disable=import-outside-toplevel
 
     for cfg, words in ((dict(bm=128, bn=128, stages=3, pingpong=True), "one warpgroup a tile"),
                        (dict(bm=64, bn=256, stages=2, bk=32, persistent=True, ctas_per_sm=2, producer_warps=1), "one an SM"),
-                       (dict(bm=64, bn=256, stages=2, resident=True), "resident B")):
+                       (dict(bm=64, bn=256, stages=2, resident=True), "resident B"),
+                       (dict(bm=128, bn=256, stages=3, persistent=True, stage_tiles=True), "stage_tiles")):
         found = we.problems(4096, 3072, 768, _ffn1(), wm.WgmmaConfig(**cfg))
         assert any(words in f for f in found), (cfg, found)
         with pytest.raises(ComFuseError, match=words):
@@ -386,6 +389,17 @@ def test_split_postnorm_kernels_write_row_statistics_from_the_staged_sum(m, n, d
     stores = [line for line in body.splitlines() if "st.global" in line]  # the statistics only: 2 rows x 2 values
     assert len(stores) == 4 and all(".f32" in line or ".u32" in line for line in stores)  # (RMSNorm's second is a 0)
     assert "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group" in body
+    assert codegen.ptxas_usage(source)["spill"] == 0
+    if codegen.nvdisasm() is not None:
+        assert codegen.wgmma_hazards(codegen.sass(codegen.compile_with_nvcc(source, "sm_90a"))) == []
+    # the residual loaded into the staging buffers by TMA while the mainloop runs: four more
+    # boxes a warpgroup's part, and a third of the global loads left (the bias's)
+    staged = dataclasses.replace(sn.config(m, n, 1024, spec), stage_tiles=True)
+    source = codegen.cuda_source(wm.build(sn.kernels(m, n, 1024, spec, staged)[0]))
+    ptx = codegen.compile_with_nvcc(source, "sm_90a", fmt="ptx").decode()
+    staged_body = ptx[ptx.index(".entry"):]
+    tma = "cp.async.bulk.tensor.2d.shared::cluster.global"
+    assert staged_body.count(tma) == body.count(tma) + 4 and 3 * staged_body.count("ld.global") == body.count("ld.global")
     assert codegen.ptxas_usage(source)["spill"] == 0
     if codegen.nvdisasm() is not None:
         assert codegen.wgmma_hazards(codegen.sass(codegen.compile_with_nvcc(source, "sm_90a"))) == []

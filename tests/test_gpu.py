@@ -346,6 +346,9 @@ def test_gpu_wgmma_postnorm_matches_torch(M, N, K, dtype, norm, cfg, stage):
     (4096, 768, 768, "float16", "layer_norm", None, True, False),  # 128 x 192 tiles, one a CTA; the float32 norm too
     (4096, 1024, 1024, "float16", "layer_norm", None, True, True),
     (16384, 1024, 256, "float16", "layer_norm", (128, 128, 4, 64, 1, 1, False, 1, 0, False, True), False, False),
+    # the residual loaded by TMA into the staging buffers (session 17): rows no tile divides, and many tiles a CTA
+    (1000, 8192, 1024, "bfloat16", "rms_norm", (128, 256, 3, 64, 1, 1, False, 1, 0, False, True, True), False, False),
+    (16384, 1024, 256, "float16", "layer_norm", (128, 256, 3, 64, 1, 1, False, 1, 0, False, True, True), False, True),
 ])
 def test_gpu_split_postnorm_matches_torch(M, N, K, dtype, norm, cfg, norm_out, per_thread):
     """The split post-norm (:mod:`tvm_comfuse.schedule.split_norm`): the GEMM kernel writes the
@@ -409,6 +412,11 @@ def _chain_reference(spec, x, w, operands):
     (1000, 768, 768, "float16", "projection", dict(bm=64, bn=256, stages=7, bk=32, pingpong=True), (8, 125), (0, 2, 1, 3), None),
     (4096, 1024, 1024, "float16", "projection", dict(bm=64, bn=128, stages=6, bk=64, pingpong=True), None, None, None),  # fp32 staged
     (1000, 1024, 1024, "bfloat16", "silu_residual", dict(bm=128, bn=256, stages=3, bk=64, persistent=True), None, None, None),
+    # the residual loaded into the staging buffers by TMA during the mainloop (session 17), rows no tile divides
+    (1000, 1024, 1024, "bfloat16", "silu_residual", dict(bm=128, bn=256, stages=3, bk=64, persistent=True, stage_tiles=True),
+     None, None, None),
+    (16384, 1024, 256, "float16", "silu_residual", dict(bm=128, bn=128, stages=4, bk=64, persistent=True, stage_tiles=True),
+     (128, 128), None, None),
 ])
 def test_gpu_wgmma_elementwise_matches_torch(M, N, K, dtype, chain, cfg, lead, axes, stage):
     """The GEMM + elementwise kernel (written on CPU in session 14) against PyTorch: BERT's chains

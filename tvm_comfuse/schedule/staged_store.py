@@ -59,9 +59,10 @@ def staged_at(at, dtype: str) -> tuple:
 
 def staged_store(cols: int, dtype: str, value, buffers: int = 2):
     """The tirx macro ``store(out_map, O, P, acc, wg, tw, row0, col0, buf)``: thread ``tw`` of
-    consumer warpgroup ``wg`` writes ``value(P, acc[i], row, col)`` (Python, at parse time: the
+    consumer warpgroup ``wg`` writes ``value(P, acc[i], row, col, here)`` (Python, at parse time: the
     epilogue's chain on accumulator ``i`` of its ``64 x cols`` fragment tile, in ``dtype``, at
-    global ``(row, col)`` from ``(row0, col0)``) into buffer ``buf`` of ``O`` (shaped by
+    global ``(row, col)`` from ``(row0, col0)``; ``here`` is what the element's place in the
+    buffer holds before, a tile staged there) into buffer ``buf`` of ``O`` (shaped by
     :func:`buffer_shape`), and the warpgroup's thread 0 stores it to the tensor of ``out_map``
     (encoded with 64-row boxes of :func:`box_cols` columns) by TMA, one bulk group a tile.
     ``cols`` is a multiple of the box columns; ``buffers`` the warpgroup alternates (1: it waits
@@ -77,7 +78,8 @@ def staged_store(cols: int, dtype: str, value, buffers: int = 2):
         for q in T.unroll(cols // 4):  # accumulators 2q, 2q + 1: one row's adjacent columns
             for v in T.vectorized(2):
                 lrow, lcol = T.meta_var(fragment(tw, 2 * q + v))
-                O[(buf, wg, *staged_at((lrow, lcol), dtype))] = value(P, acc[2 * q + v], row0 + lrow, col0 + lcol)
+                at = T.meta_var((buf, wg, *staged_at((lrow, lcol), dtype)))
+                O[at] = value(P, acc[2 * q + v], row0 + lrow, col0 + lcol, O[at])
         T.ptx["fence.proxy.async.shared::cta"]()  # the writes, visible to the TMA unit
         T.ptx["bar.sync"](T.uint32(STAGE_BARRIER) + T.cast(wg, "uint32"), 128)
         if tw == 0:

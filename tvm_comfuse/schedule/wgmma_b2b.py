@@ -237,7 +237,7 @@ def wgmma_b2b(m: int, n1: int, n2: int, k: int, spec: B2B = B2B(), cfg: B2BConfi
         return T.min(row, m - 1) if m % bm else row
 
     # the second chain on each output tile, staged in shared memory and stored by TMA
-    store_tile = staged_store(bn2, odt, lambda P, v, row, col: epilogue_value(spec.second, P, v, clamp(row), col))
+    store_tile = staged_store(bn2, odt, lambda P, v, row, col, _here: epilogue_value(spec.second, P, v, clamp(row), col))
     drain = staged_drain()
 
     # pylint: disable=invalid-name,unused-variable,too-many-locals

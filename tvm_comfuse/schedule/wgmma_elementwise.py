@@ -42,8 +42,8 @@ from tvm.script import tirx as T
 
 from ..errors import ComFuseError
 from .chain import ACTIVATIONS, chain_value, np_chain, np_dtype
-from .staged_store import box_cols, buffer_shape, drain, size, staged_at, staged_bytes, staged_store
-from .wgmma_mainloop import Ring, WgmmaConfig, box_rows, consumer_sync, fragment, mainloop, roles, tensor_map
+from .staged_store import STAGE_BARRIER, box_cols, buffer_shape, drain, size, staged_at, staged_bytes, staged_store
+from .wgmma_mainloop import TMA_LOAD, Ring, WgmmaConfig, box_rows, consumer_sync, fragment, mainloop, roles, tensor_map
 from .wgmma_postnorm import SM_COUNT
 
 #: Row statistics the kernel can write beside its output (:attr:`Elementwise.stats`).
@@ -130,13 +130,15 @@ def layout_offset(layout: tuple, row, col):
     return offset
 
 
-def epilogue_value(spec: Elementwise, P, v, row, col, dtype: str | None = None):
+def epilogue_value(spec: Elementwise, P, v, row, col, dtype: str | None = None, staged: dict | None = None):
     """``spec``'s chain on the fp32 accumulator ``v`` at ``(row, col)`` of the GEMM's result,
     held in ``dtype`` (default ``spec.out_dtype``); ``P`` are the operands' buffers (a tile
-    read at ``(row, col)``, a vector at ``col``). Plain Python, run while a kernel is parsed:
+    read at ``(row, col)``, a vector at ``col``), ``staged`` the operands read elsewhere (index
+    -> the element: a tile staged in shared memory). Plain Python, run while a kernel is parsed:
     one expression per accumulator."""
-    dtype = dtype or spec.out_dtype
-    v, cur = chain_value(v, spec.steps, [d for d, _ in spec.operands], lambda j: P[j][row, col] if spec.operands[j][1] else P[j][col])
+    dtype, staged = dtype or spec.out_dtype, staged or {}
+    v, cur = chain_value(v, spec.steps, [d for d, _ in spec.operands],
+                         lambda j: staged[j] if j in staged else P[j][row, col] if spec.operands[j][1] else P[j][col])
     return v if cur == dtype else T.cast(v if cur == "float32" else T.cast(v, "float32"), dtype)
 
 
@@ -160,6 +162,10 @@ def problems(m: int, n: int, k: int, spec: Elementwise, cfg: WgmmaConfig | None 
         found.append("a resident B (the post-norm kernel's, for short K: here B streams through the ring)")
     if cfg.pingpong and (cfg.bm != 64 or cfg.wg_n != 1):
         found.append(f"ping-pong with {cfg.bm} x {cfg.bn} tiles of {cfg.wg_n} column warpgroups (one warpgroup a tile: bm = 64, wg_n = 1)")
+    if cfg.stage_tiles and (not persistent(cfg) or cfg.pingpong or not stages_output(spec, cfg) or staged_tile(spec) is None):
+        found.append(f"stage_tiles with {'ping-pong' if cfg.pingpong else 'persistent' if persistent(cfg) else 'one tile a CTA'}, "
+                     f"{'a staged' if stages_output(spec, cfg) else 'an unstaged'} output and tile operands {spec.operands} (persistent "
+                     f"CTAs, not ping-pong, whose output is staged, and a tile operand in the output's dtype {spec.out_dtype})")
     if spec.stats and not stages_output(spec, cfg):
         found.append(f"row statistics with {cfg.bm} x {cfg.bn} tiles whose output is not staged (they are read back from "
                      "the staging buffers: a row-major output, one column warpgroup, whole 128-byte boxes)")
@@ -200,6 +206,12 @@ def default_config(m: int, n: int, k: int, spec: Elementwise = Elementwise()) ->
                 if not looped.problems(_padded(m, cfg.bm), n, k, spec.dtype) and stages_output(spec, looped):
                     return looped
     return cfg
+
+
+def staged_tile(spec: Elementwise) -> int | None:
+    """The tile operand a kernel with ``WgmmaConfig.stage_tiles`` loads into its staging
+    buffers (the first in the output's dtype: it lands in the output's swizzled layout), or None."""
+    return next((j for j, (d, tile) in enumerate(spec.operands) if tile and d == spec.out_dtype), None)
 
 
 def persistent(cfg: WgmmaConfig) -> bool:
@@ -319,9 +331,12 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
                            "pass stage=None")
     if staged:
         maps["out"] = tensor_map(m, n, 64, box_cols(spec.out_dtype), spec.out_dtype)
+    tile_in = staged_tile(spec) if cfg.stage_tiles else None  # loaded into the staging buffers (problems checked it can be)
+    if tile_in is not None:
+        maps[f"p{tile_in}"] = tensor_map(m, n, 64, box_cols(spec.out_dtype), spec.out_dtype)
     sync = consumer_sync(cfg)
     # rows past M (the last tile's, on TMA's zeros) read a tile operand at row M - 1; the TMA store clips them
-    staged_value = lambda P, v, row, col: epilogue_value(spec, P, v, T.min(row, m - 1) if ragged else row, col)  # noqa: E731
+    staged_value = lambda P, v, row, col, _here: epilogue_value(spec, P, v, T.min(row, m - 1) if ragged else row, col)  # noqa: E731
     store = staged_store(cfg.wg_cols, spec.out_dtype, staged_value)
     wait_stores = drain()
     row_stats = statistics(spec, cfg, m)
@@ -343,7 +358,7 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
                     out[at(row, col)] = epilogue_value(spec, P, acc[2 * q + j], row, col)
 
     @T.macro
-    def body(x_map, w_map, out_map, P, out, stats):
+    def body(x_map, w_map, out_map, P, out, stats, _tile_map):  # (one tile a CTA stages no tile operand)
         if cfg.ctas_per_sm > 1:  # __launch_bounds__(threads, ctas_per_sm)
             T.attr({"tirx.launch_bounds_min_blocks_per_sm": cfg.ctas_per_sm})
         bx, by = T.cta_id([_padded(m, bm) // bm, n // bn])
@@ -387,7 +402,20 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
     tiles = tiles_m * (n // bn)
     grid = min(tiles, SM_COUNT)
     ring_elems = cfg.stages * (bm + bn) * cfg.bk
-    loop_store = staged_store(cfg.wg_cols, spec.out_dtype, staged_value, buffers=1)  # a buffer of its own: written once a tile
+    # a buffer of its own, written once a tile (in place over its staged tile operand, if any)
+    loop_store = staged_store(cfg.wg_cols, spec.out_dtype, staged_value if tile_in is None else (
+        lambda P, v, row, col, here: epilogue_value(spec, P, v, row, col, staged={tile_in: here})), buffers=1)
+    stage_in, box, tile_bytes = tile_in is not None, box_cols(spec.out_dtype), 64 * cfg.wg_cols * size(spec.out_dtype)
+
+    @T.macro
+    def load_tile(tile_map, O, rfull, tw, slot, row0, col0):  # warpgroup `slot`'s part of the tile operand, into its buffer
+        T.ptx["bar.sync"](T.uint32(STAGE_BARRIER) + T.cast(slot, "uint32"), 128)  # no thread still reads the buffer
+        if tw == 0:
+            T.ptx["cp.async.bulk.wait_group.read"](0)  # nor does the warpgroup's last TMA store
+            T.ptx["fence.proxy.async.shared::cta"]()
+            T.ptx.mbarrier.arrive.expect_tx.shared.b64(rfull.ptr_to([slot]), T.uint32(tile_bytes))
+            for b in T.unroll(cfg.wg_cols // box):
+                T.ptx[TMA_LOAD](O.ptr_to([0, slot, b, 0, 0]), T.address_of(tile_map), col0 + b * box, row0, rfull.ptr_to([slot]))
 
     @T.macro
     def finish(out_map, O, P, out, stats, acc, slot, cw, tw, t):  # warpgroup cw's part of tile t, staged in buffer `slot`
@@ -399,7 +427,7 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
             register_store(out, P, acc, tw, row0, col0)
 
     @T.macro
-    def loop_body(x_map, w_map, out_map, P, out, stats):
+    def loop_body(x_map, w_map, out_map, P, out, stats, tile_map):
         bx = T.cta_id([grid])
         wg = T.warpgroup_id([cfg.consumers + 1])
         tw = T.thread_id_in_wg([128])
@@ -420,6 +448,11 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
             if wg * 128 + tw == 0:  # before the ring's init: its fence and CTA barrier cover these
                 for j in T.unroll(2):
                     T.ptx.mbarrier.init.shared.b64(turn.ptr_to([j]), T.uint32(1))
+        if stage_in:
+            rfull = T.alloc_shared([cfg.consumers], "uint64", scope="shared", align=8)  # [warpgroup]: its tile operand landed
+            if wg * 128 + tw == 0:  # before the ring's init: its fence and CTA barrier cover these
+                for c in T.unroll(cfg.consumers):
+                    T.ptx.mbarrier.init.shared.b64(rfull.ptr_to([c]), T.uint32(1))
         init(full, empty, wg * 128 + tw)
         iters = T.meta_var((tiles - 1 - bx) // grid + 1)  # tiles bx, bx + grid, ...
         if wg == 0:
@@ -435,10 +468,15 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
                 if cfg.pingpong:  # the groups' mainloops alternate: wait until the other's previous tile has left the ring
                     if j + wg - 2 >= 0:
                         T.cuda.mbarrier_wait(turn.ptr_to([wg - 1]), (j + wg - 2) % 2)
+                if stage_in:  # its part of the tile operand loads while the mainloop runs
+                    row0, col0 = T.meta_var(tile_origin(cfg, tiles_m, bx + (first + step * j) * grid, cw))
+                    load_tile(tile_map, O, rfull, tw, wg - 1, row0, col0)
                 consume(S, S, full, empty, acc, da, db, cw, tw, (first + step * j) * kt)
                 if cfg.pingpong:
                     if tw == 0:
                         T.ptx.mbarrier.arrive.shared.b64(turn.ptr_to([2 - wg]), T.uint32(1))
+                if stage_in:
+                    T.cuda.mbarrier_wait(rfull.ptr_to([wg - 1]), j % 2)
                 finish(out_map, O, P, out, stats, acc, wg - 1, cw, tw, bx + (first + step * j) * grid)
             if staged:
                 wait_stores(tw)
@@ -455,6 +493,6 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
     lines += [f"    {p} = T.decl_buffer({view}, {dt!r}, data={p}_p.data)" if view else f"    {p} = {p}_p" for p, _, dt, view in signature[2:]]
     operands = ", ".join(f"p{j}" for j in range(len(spec.operands)))
     lines += [f"    body(x_map, w_map, {'out_map' if staged else 'None'}, ({operands}{',' if operands else ''}), out, "
-              f"{'stats' if spec.stats else 'None'})"]
+              f"{'stats' if spec.stats else 'None'}, {'None' if tile_in is None else f'p{tile_in}_map'})"]
     return tvm.script.from_source("@T.prim_func\n" + "\n".join(lines), extra_vars={
         "T": T, "body": loop_body if persistent(cfg) else body, **{f"encode_{p}": enc for p, enc in maps.items()}})
