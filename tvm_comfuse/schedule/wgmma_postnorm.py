@@ -358,6 +358,8 @@ def problems(m, n, k, spec: PostNorm, cfg: WgmmaConfig | None = None, stage: boo
                      f"whole slice each (resident, bm = 64, wg_n = 1)")
     if cfg.persistent:
         found.append("persistent = True (this kernel's CTAs loop over row blocks with a resident W: resident = True)")
+    if cfg.stage_tiles:
+        found.append("stage_tiles = True (the GEMM + elementwise kernel's knob: this kernel stages its tiles by Staging)")
     return found + cfg.problems(m, n, k, spec.dtype)
 
 
