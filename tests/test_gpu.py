@@ -380,6 +380,34 @@ def test_gpu_split_postnorm_matches_torch(M, N, K, dtype, norm, cfg, norm_out, p
         assert (out.float() - ref).abs().max().item() <= TOL[dtype]
 
 
+def test_gpu_split_postnorm_of_an_imported_bert_chain():
+    """BERT's imported post-norm chain runs split (``hopper_groups`` with ``"split_norm"``): the
+    GEMM rounded to fp16, the fp32 bias and residual added in fp32, so the GEMM kernel writes an
+    fp32 sum (and its statistics), the norm kernel the fp16 cast and the fp32 norm."""
+    import tvm  # pylint: disable=import-outside-toplevel
+
+    from tvm_comfuse.schedule import split_norm as sn, wgmma_mainloop as wm, wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
+    from tvm_comfuse.schedule.chain import Step  # pylint: disable=import-outside-toplevel
+
+    _need_sm90(tvm)
+    M, N, K = 4096, 1024, 1024
+    spec = wp.PostNorm("float16", (Step("cast", "float16"), Step("cast", "float32"), Step("add", "float32", 0), Step("add", "float32", 1)),
+                       (("float32", False), ("float32", True)), "layer_norm", 1e-12, "float32", "float16", norm_out=True)
+    x, w, b, r, g, be = _inputs(M, K, N, "float16", linear=True)
+    b, r, g, be = b.float(), r.float() + 8, g.float(), be.float()
+    gemm, norm_func, parts = sn.kernels(M, N, K, spec, lead=(32, 128))
+    y = torch.full((32, 128, N), float("nan"), device="cuda")
+    stats = torch.full((M, parts, 2), float("nan"), device="cuda")
+    out, normed = torch.full((32, 128, N), float("nan"), device="cuda", dtype=torch.float16), torch.full((32, 128, N), float("nan"), device="cuda")
+    wm.build(gemm)["main"](*[tvm.runtime.from_dlpack(t) for t in (x.reshape(32, 128, K), w, b, r.reshape(32, 128, N), y, stats)])
+    wm.build(norm_func, tir_pipeline="default")["main"](*[tvm.runtime.from_dlpack(t) for t in (y, stats, g, be, out, normed)])
+    s = (x.float() @ w.float().T).half().float() + b + r
+    ref = torch.nn.functional.layer_norm(s, (N,), g, be, 1e-12).reshape(32, 128, N)
+    # (the GEMM's fp16 rounding may flip an ulp, ~0.004 at these magnitudes, with its fp32 summation order)
+    assert (y.reshape(M, N) - s).abs().max().item() <= 1e-2
+    assert (normed - ref).abs().max().item() <= 1e-2 and (out.float() - ref).abs().max().item() <= TOL["float16"]
+
+
 def _chain_reference(spec, x, w, operands):
     """``spec``'s chain on ``x @ w.T`` in PyTorch, each step rounded to its dtype (on the GPU: the
     NumPy model's GELU is slow at BERT's sizes)."""
