@@ -264,3 +264,66 @@ def test_weight_cast_after_transpose_joins_the_group():
         bb.emit_func_output(out)
     (group,) = cf.analyze(bb.get())
     assert group.fused and group.ops[0] == "relax.permute_dims"
+
+
+def _written_out_rms_norm(dtype, n=256):
+    """``x * rsqrt(mean(x ** 2, -1) + eps) * gamma`` in ``dtype`` of ``x @ w.T + r``, as
+    torch.nn.RMSNorm exports under TVM's mixed precision (an fp16 GEMM, the sum and the norm
+    in ``dtype``), returning the sum too, as a pre-norm block keeps it."""
+    bb = relax.BlockBuilder()
+    x, w = relax.Var("x", relax.TensorType((64, 96), "float16")), relax.Var("w", relax.TensorType((n, 96), "float16"))
+    r, gamma = relax.Var("r", relax.TensorType((64, n), dtype)), relax.Var("gamma", relax.TensorType((n,), dtype))
+    op = relax.op
+    with bb.function("main", [x, w, r, gamma]):
+        with bb.dataflow():
+            y = bb.emit(op.astype(bb.emit(op.matmul(x, bb.emit(op.permute_dims(w)))), dtype))
+            h = bb.emit(op.add(y, r))
+            ms = bb.emit(op.mean(bb.emit(op.power(h, relax.const(2.0, dtype))), axis=[1], keepdims=True))
+            inv = bb.emit(op.rsqrt(bb.emit(op.add(ms, relax.const(1e-5, dtype)))))
+            out = bb.emit_output(relax.Tuple([bb.emit(op.multiply(bb.emit(op.multiply(h, inv)), gamma)), h]))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_an_rms_norm_written_out_in_float32_is_folded_exactly():
+    """FoldRMSNorm turns the arithmetic into ``nn.rms_norm`` in float32, where TVM lowers both to
+    the same result, bit for bit; the group then ends in the norm the Hopper kernels read (here
+    the split ones, as the sum is returned too). In float16 it leaves the arithmetic alone
+    (``nn.rms_norm`` would sum in float32: not the same result)."""
+    import numpy as np  # pylint: disable=import-outside-toplevel
+
+    from tvm_comfuse.transform import FoldRMSNorm  # pylint: disable=import-outside-toplevel
+
+    mod = _written_out_rms_norm("float32")
+    folded = FoldRMSNorm()(mod)
+    assert "R.nn.rms_norm" in folded["main"].script() and "R.power" not in folded["main"].script()
+    rng = np.random.default_rng(0)
+    args = [tvm.runtime.tensor((rng.standard_normal([int(d) for d in p.ty.shape.values]) + 2).astype(str(p.ty.dtype)))
+            for p in mod["main"].params]
+    run = lambda m: [o.numpy() for o in relax.VirtualMachine(tvm.compile(m, target="llvm"), tvm.cpu())["main"](*args)]  # noqa: E731
+    assert all((a == b).all() for a, b in zip(run(folded), run(mod)))
+    (group,) = cf.analyze(mod, {"kind": "cuda", "arch": "sm_90a"})
+    assert group.fused and group.ops[-1] == "relax.nn.rms_norm" and "then a norm kernel" in group.note
+    assert "R.power" in FoldRMSNorm()(_written_out_rms_norm("float16"))["main"].script()
+
+
+def test_an_exported_pytorch_rms_norm_block_reaches_the_hopper_kernels():
+    """``h = x + linear(x); (RMSNorm(h), h)`` with ``torch.nn.RMSNorm``, exported and imported
+    under mixed precision: the norm arrives written out, FoldRMSNorm folds it, and on sm_90 the
+    group (the GEMM, its residual, the norm, the sum returned too) runs split."""
+    torch = pytest.importorskip("torch")
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.proj = torch.nn.RMSNorm(256, eps=1e-5), torch.nn.Linear(256, 256, bias=False)
+
+        def forward(self, x):
+            h = x + self.proj(x)
+            return self.norm(h), h
+
+    torch.manual_seed(0)
+    mod = wl._imported(Block().eval(), torch.randn(2, 64, 256), "float16")[0]
+    assert "R.power" in mod["main"].script()
+    (group,) = [g for g in cf.analyze(mod, {"kind": "cuda", "arch": "sm_90a"}) if g.fused]
+    assert group.ops[-1] == "relax.nn.rms_norm" and "then a norm kernel" in group.note

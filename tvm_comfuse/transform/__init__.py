@@ -2,6 +2,7 @@
 
 from .cast_before_transpose import CastBeforeTranspose
 from .annotate_blocks import ROLE_ATTR, ROLES, AnnotateFusedBlocks, block_roles
+from .fold_rms_norm import FoldRMSNorm
 from .fuse_compute_memory import GROUPS_ATTR, KIND_ATTR, FuseComputeMemory, analyze
 from .hoist_row_reshape import HoistRowReshape
 from .offload_hopper import OffloadHopperPostNorm

@@ -37,6 +37,7 @@ from ..graph.analysis import find_groups
 from ..graph.group import B2B_GEMM, GEMM_ELEMENTWISE, GEMM_REDUCE, KINDS
 from ..target import is_gpu, parse_target
 from .cast_before_transpose import CastBeforeTranspose
+from .fold_rms_norm import FoldRMSNorm
 from .hoist_row_reshape import HoistRowReshape
 
 GROUPS_ATTR = "comfuse.groups"
@@ -234,8 +235,9 @@ def _resolve(groups: list, names: dict) -> list:
 
 def _canonicalize(mod: tvm.IRModule) -> tvm.IRModule:
     """Exact rewrites that keep layout ops where groups can use them: weight casts before their
-    transpose (CastBeforeTranspose), row reshapes out of GEMM chains (HoistRowReshape)."""
-    return HoistRowReshape()(CastBeforeTranspose()(mod))
+    transpose (CastBeforeTranspose), row reshapes out of GEMM chains (HoistRowReshape), and
+    RMSNorms written out as arithmetic folded into ``nn.rms_norm`` (FoldRMSNorm)."""
+    return HoistRowReshape()(CastBeforeTranspose()(FoldRMSNorm()(mod)))
 
 
 def analyze(mod: tvm.IRModule, target=None, hopper: bool | None = None) -> list:

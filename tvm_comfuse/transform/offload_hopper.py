@@ -206,13 +206,15 @@ def match_postnorm(func: relax.Function):
 
 
 def _normalises(body: GroupBody, out, other) -> bool:
-    """Whether output ``out`` is the norm (possibly cast) of the fp32 cast of output ``other``:
-    ``other`` is the sum a pre-norm block also returns (its residual stream)."""
+    """Whether output ``out`` is the norm (possibly cast) of output ``other``, or of its fp32
+    cast: ``other`` is the sum a pre-norm block also returns (its residual stream)."""
     val = body.var2val.get(out)
     if isinstance(val, relax.Call) and ops.op_name(val) == "relax.astype":
         val = body.var2val.get(val.args[0])
     if not isinstance(val, relax.Call) or ops.op_name(val) not in _NORMS:
         return False
+    if val.args[0].same_as(other):
+        return True
     wide = body.var2val.get(val.args[0])
     return (isinstance(wide, relax.Call) and ops.op_name(wide) == "relax.astype" and str(wide.attrs.dtype) == "float32"
             and wide.args[0].same_as(other))
