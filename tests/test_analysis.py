@@ -309,21 +309,11 @@ def test_an_rms_norm_written_out_in_float32_is_folded_exactly():
 
 def test_an_exported_pytorch_rms_norm_block_reaches_the_hopper_kernels():
     """``h = x + linear(x); (RMSNorm(h), h)`` with ``torch.nn.RMSNorm``, exported and imported
-    under mixed precision: the norm arrives written out, FoldRMSNorm folds it, and on sm_90 the
-    group (the GEMM, its residual, the norm, the sum returned too) runs split."""
-    torch = pytest.importorskip("torch")
-
-    class Block(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.norm, self.proj = torch.nn.RMSNorm(256, eps=1e-5), torch.nn.Linear(256, 256, bias=False)
-
-        def forward(self, x):
-            h = x + self.proj(x)
-            return self.norm(h), h
-
-    torch.manual_seed(0)
-    mod = wl._imported(Block().eval(), torch.randn(2, 64, 256), "float16")[0]
+    under mixed precision (:func:`~tvm_comfuse.workloads.prenorm_block`): the norm arrives
+    written out, FoldRMSNorm folds it, and on sm_90 the group (the GEMM, its residual, the norm,
+    the sum returned too) runs split."""
+    pytest.importorskip("torch")
+    mod = wl.prenorm_block()[0]
     assert "R.power" in mod["main"].script()
     (group,) = [g for g in cf.analyze(mod, {"kind": "cuda", "arch": "sm_90a"}) if g.fused]
     assert group.ops[-1] == "relax.nn.rms_norm" and "then a norm kernel" in group.note

@@ -232,6 +232,22 @@ def test_gpu_exported_pytorch_mlp_on_the_b2b_kernel():
     assert (out.cpu() - module(example).detach()).abs().max().item() <= TOL["float16"]
 
 
+def test_gpu_exported_pytorch_prenorm_block_runs_split():
+    """A pre-norm step exported from PyTorch (``torch.nn.RMSNorm`` written out, folded by
+    FoldRMSNorm; the residual stream returned beside its norm): the split GEMM + norm kernels,
+    both outputs matching the PyTorch module in fp32."""
+    import tvm  # pylint: disable=import-outside-toplevel
+
+    _need_sm90(tvm)
+    mod, params, module, example = wl.prenorm_block(batch=4, seq=512, width=4096)
+    args = [example.cuda()] + [torch.from_numpy(p).cuda() for p in params]
+    outs, kernels = _run_on_gpu(mod, args, hopper=True)
+    assert sorted(k.rsplit("_", 2)[-2] for k in kernels if k.startswith("comfuse_wgmma_")) == ["gemm", "norm"]
+    with torch.no_grad():
+        refs = module(example)
+    assert all((o.cpu() - r).abs().max().item() <= TOL["float16"] for o, r in zip(outs, refs))
+
+
 #: Seeds whose case the first H200 fuzz run (200 cases, notebooks/results/fuzz-gpu-h200-2026-12-02.json)
 #: found wrong on the GPU. Three wrote rows of neighbouring thread blocks (3-D rows read through
 #: ``r -> (r // S, r % S)``): the rule now rejects such schedules and DLight takes them. The

@@ -292,6 +292,28 @@ def _imported(module, example, dtype: str):
     return mod, [p.numpy() for p in params["main"]], module, example
 
 
+def prenorm_block(batch: int = 2, seq: int = 64, width: int = 256, dtype: str = "float16", seed: int = 0):
+    """A pre-norm residual step as LLaMA-style PyTorch models write it, ``h = x + proj(x);
+    return RMSNorm(h), h`` (``torch.nn.RMSNorm``, a bias-less ``nn.Linear``; random weights),
+    exported and imported as :func:`bert_encoder` is: the residual stream ``h`` is kept beside
+    its norm, which arrives written out as arithmetic. Returns ``(mod, params, torch_module,
+    example_input)``."""
+    import torch  # pylint: disable=import-outside-toplevel
+
+    torch.manual_seed(seed)
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.proj = torch.nn.RMSNorm(width, eps=1e-5), torch.nn.Linear(width, width, bias=False)
+
+        def forward(self, x):
+            h = x + self.proj(x)
+            return self.norm(h), h
+
+    return _imported(Block().eval(), torch.randn(batch, seq, width), dtype)
+
+
 def mlp_encoder(batch: int = 2, seq: int = 100, width: int = 256, intermediate: int = 128, act: str = "gelu",
                 residual: bool = True, dtype: str = "float16", seed: int = 0):
     """A PyTorch MLP block, ``fc2(act(fc1(x))) (+ x)`` on ``[batch, seq, width]`` (random weights),
