@@ -232,20 +232,19 @@ def test_gpu_exported_pytorch_mlp_on_the_b2b_kernel():
     assert (out.cpu() - module(example).detach()).abs().max().item() <= TOL["float16"]
 
 
-def test_gpu_exported_pytorch_prenorm_block_runs_split():
-    """A pre-norm step exported from PyTorch (``torch.nn.RMSNorm`` written out, folded by
-    FoldRMSNorm; the residual stream returned beside its norm): the split GEMM + norm kernels,
-    both outputs matching the PyTorch module in fp32."""
+def test_gpu_exported_pytorch_prenorm_stack_runs_split():
+    """A pre-norm residual stream exported from PyTorch (``torch.nn.RMSNorm`` written out,
+    folded by FoldRMSNorm; the stream kept beside each norm): every projection's group as the
+    split GEMM + norm kernels, the output matching the PyTorch module in fp32."""
     import tvm  # pylint: disable=import-outside-toplevel
 
     _need_sm90(tvm)
-    mod, params, module, example = wl.prenorm_block(batch=4, seq=512, width=4096)
+    mod, params, module, example = wl.prenorm_stack(layers=3, batch=4, seq=512, width=4096)
     args = [example.cuda()] + [torch.from_numpy(p).cuda() for p in params]
-    outs, kernels = _run_on_gpu(mod, args, hopper=True)
-    assert sorted(k.rsplit("_", 2)[-2] for k in kernels if k.startswith("comfuse_wgmma_")) == ["gemm", "norm"]
+    (out,), kernels = _run_on_gpu(mod, args, hopper=True)
+    assert sorted(k.rsplit("_", 2)[-2] for k in kernels if k.startswith("comfuse_wgmma_")).count("gemm") >= 2
     with torch.no_grad():
-        refs = module(example)
-    assert all((o.cpu() - r).abs().max().item() <= TOL["float16"] for o, r in zip(outs, refs))
+        assert (out.cpu() - module(example)).abs().max().item() <= TOL["float16"]
 
 
 #: Seeds whose case the first H200 fuzz run (200 cases, notebooks/results/fuzz-gpu-h200-2026-12-02.json)

@@ -208,8 +208,11 @@ def run(shapes, norms, dtypes, which=CONTENDERS, log=print) -> list:
     return rows
 
 
-#: Whole encoders (``comfuse bench --models``): name -> (hidden, layers, heads).
-MODELS = {"bert-base": (768, 12, 12), "bert-large": (1024, 24, 16)}
+#: Whole models (``comfuse bench --models``): name -> (hidden, layers, heads); HuggingFace BERT
+#: encoders, and ``prenorm-4096``, a pre-norm residual stream at LLaMA-7B's width
+#: (:func:`~tvm_comfuse.workloads.prenorm_stack`: each layer's output projection, its residual
+#: add and the next RMSNorm; no heads).
+MODELS = {"bert-base": (768, 12, 12), "bert-large": (1024, 24, 16), "prenorm-4096": (4096, 8, 0)}
 #: fp16 encoder output against the fp32 PyTorch module (LayerNorm'd, O(1) values).
 MODEL_TOLERANCE = 1e-1
 
@@ -329,7 +332,7 @@ def run_mlp(widths, which=CONTENDERS, log=print) -> list:
 
 
 def run_model(name: str, batch: int, seq: int, which=CONTENDERS, log=print) -> list:
-    """A HuggingFace encoder (random weights), fp16, end to end: PyTorch eager and torch.compile
+    """A model of :data:`MODELS` (random weights), fp16, end to end: PyTorch eager and torch.compile
     on the module, vanilla TVM and ComFuse on its ``from_exported_program`` import (weights
     bound as constants, so both compilers fold their fp16 casts at compile time, as a
     deployment would; folding them before compiling would also fold the linear layers'
@@ -339,9 +342,12 @@ def run_model(name: str, batch: int, seq: int, which=CONTENDERS, log=print) -> l
     from tvm import relax  # pylint: disable=import-outside-toplevel
 
     hidden, layers, heads = MODELS[name]
-    mod, params, module, example = workloads.bert_encoder(
-        layers=layers, hidden=hidden, heads=heads, batch=batch, seq=seq, dtype="float16"
-    )
+    if name.startswith("prenorm"):
+        mod, params, module, example = workloads.prenorm_stack(layers=layers, batch=batch, seq=seq, width=hidden, dtype="float16")
+    else:
+        mod, params, module, example = workloads.bert_encoder(
+            layers=layers, hidden=hidden, heads=heads, batch=batch, seq=seq, dtype="float16"
+        )
     names = [p.name for p in mod["main"].params[1:]]
     mod = relax.transform.BindParams("main", dict(zip(names, (tvm.runtime.tensor(p) for p in params))))(mod)
     target = tvm.target.Target.from_device(tvm.cuda(0))

@@ -292,26 +292,31 @@ def _imported(module, example, dtype: str):
     return mod, [p.numpy() for p in params["main"]], module, example
 
 
-def prenorm_block(batch: int = 2, seq: int = 64, width: int = 256, dtype: str = "float16", seed: int = 0):
-    """A pre-norm residual step as LLaMA-style PyTorch models write it, ``h = x + proj(x);
-    return RMSNorm(h), h`` (``torch.nn.RMSNorm``, a bias-less ``nn.Linear``; random weights),
-    exported and imported as :func:`bert_encoder` is: the residual stream ``h`` is kept beside
-    its norm, which arrives written out as arithmetic. Returns ``(mod, params, torch_module,
-    example_input)``."""
+def prenorm_stack(layers: int = 2, batch: int = 2, seq: int = 64, width: int = 256, dtype: str = "float16", seed: int = 0):
+    """The residual stream of a pre-norm transformer as LLaMA-style PyTorch models write it, its
+    sublayers reduced to their output projections: ``n = RMSNorm(x); h = x`` then, per layer,
+    ``h = h + proj(n); n = RMSNorm(h)``; returns ``n`` (``torch.nn.RMSNorm``, bias-less
+    ``nn.Linear``, random weights), exported and imported as :func:`bert_encoder` is. Every
+    projection but the last feeds a group that keeps the stream ``h`` beside its norm, which
+    arrives written out as arithmetic. Returns ``(mod, params, torch_module, example_input)``."""
     import torch  # pylint: disable=import-outside-toplevel
 
     torch.manual_seed(seed)
 
-    class Block(torch.nn.Module):
+    class Stack(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.norm, self.proj = torch.nn.RMSNorm(width, eps=1e-5), torch.nn.Linear(width, width, bias=False)
+            self.norms = torch.nn.ModuleList(torch.nn.RMSNorm(width, eps=1e-5) for _ in range(layers + 1))
+            self.projs = torch.nn.ModuleList(torch.nn.Linear(width, width, bias=False) for _ in range(layers))
 
         def forward(self, x):
-            h = x + self.proj(x)
-            return self.norm(h), h
+            h, n = x, self.norms[0](x)
+            for proj, norm in zip(self.projs, self.norms[1:]):
+                h = h + proj(n)
+                n = norm(h)
+            return n
 
-    return _imported(Block().eval(), torch.randn(batch, seq, width), dtype)
+    return _imported(Stack().eval(), torch.randn(batch, seq, width), dtype)
 
 
 def mlp_encoder(batch: int = 2, seq: int = 100, width: int = 256, intermediate: int = 128, act: str = "gelu",

@@ -29,7 +29,7 @@ def add_parser(sub) -> None:
     p = subcommand(sub, "bench", "time ComFuse against cuBLAS, eager, torch.compile and vanilla TVM on a GPU", bench.__doc__, EXAMPLES, run)
     names = [s.name for s in workloads.SUITE]
     p.add_argument("--shapes", nargs="*", default=names, choices=names, metavar="SHAPE", help=f"from {names}")
-    p.add_argument("--models", nargs="*", default=[], choices=list(bench.MODELS), help="whole encoders, end to end (fp16)")
+    p.add_argument("--models", nargs="*", default=[], choices=list(bench.MODELS), help="whole models, end to end (fp16): BERT encoders, a pre-norm residual stream")
     p.add_argument("--attention", nargs="*", type=int, default=[], metavar="SEQ",
                    help="multi-head attention at these sequence lengths (batch x heads 256, head dim 64, fp16)")
     p.add_argument("--mlp", nargs="*", type=int, default=[], metavar="N1",

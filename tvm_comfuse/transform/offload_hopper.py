@@ -238,16 +238,17 @@ def postnorm_kernel(m, n, k, spec, split: bool = False) -> tuple:
     rows wider than a cluster holds, ``("split", [])`` where the GEMM + row statistics kernel
     and the norm kernel take it (:mod:`~tvm_comfuse.schedule.split_norm`), else ``(None, what
     keeps each)``. Groups that also return the sum before the norm (a pre-norm block's
-    residual stream) run split too: its GEMM kernel writes that sum anyway. Rows a cluster could
-    hold but the kernel cannot take otherwise (M not a multiple of 64) stay with the gemm_reduce
-    rule's one kernel. ``split``: the split wherever it takes a group the cluster kernel would
+    residual stream) run split too (its GEMM kernel writes that sum anyway), and so do chains
+    with other than a bias and a residual (a bias-less projection's residual alone, LLaMA's),
+    which the post-norm kernel does not express. Rows a cluster could hold but the kernel cannot
+    take otherwise (M not a multiple of 64) stay with the gemm_reduce rule's one kernel. ``split``: the split wherever it takes a group the cluster kernel would
     (``hopper_groups`` with ``"split_norm"``: opt-in until measured)."""
     from ..schedule import split_norm as sn, wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
 
     cluster = wp.problems(m, n, k, spec)
     if not cluster:
         return ("split", []) if split and not sn.problems(m, n, k, spec) else ("cluster", [])
-    if not isinstance(n, int) or (wp.slices(n) and not spec.sum_out):
+    if not isinstance(n, int) or (wp.slices(n) and not spec.sum_out and len(spec.operands) == 2):
         return None, cluster
     found = sn.problems(m, n, k, spec)
     return ("split", []) if not found else (None, cluster + [f"split into GEMM + norm kernels: {'; '.join(found)}"])
