@@ -1,4 +1,4 @@
-"""Post-norms of rows too wide for a cluster: the row statistics in the GEMM's epilogue, the norm after.
+"""Split post-norms: the row statistics in the GEMM's epilogue, the norm in a kernel after it.
 
 Why: the post-norm kernel (:mod:`.wgmma_postnorm`) keeps a row on chip by slicing it over the
 CTAs of a thread-block cluster, at most 8 x 512 columns, and pays for it with 64-row tiles, which
@@ -22,7 +22,9 @@ the statistics' pass from the norm kernel, which reads ``y`` and writes the outp
 The sum does make one round trip through HBM, which the cluster kernel avoids; that is the price
 of rows wider than a cluster holds, and of a mainloop at the plain GEMM's speed. Because ``y``
 is written anyway, a graph that also returns the sum before the norm (a pre-norm transformer's
-residual stream) costs nothing more.
+residual stream) costs nothing more; and as the GEMM kernel takes any chain of casts and adds,
+so do chains the post-norm kernel does not express (a bias-less projection's residual alone).
+Where each runs: :func:`tvm_comfuse.transform.offload_hopper.postnorm_kernel`.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ from .wgmma_elementwise import Elementwise, default_config, problems as gemm_pro
 from .wgmma_mainloop import WgmmaConfig
 from .wgmma_postnorm import PostNorm
 
-#: Threads of a norm kernel's CTA, which owns one row (the most that divide the row's vectors).
+#: Threads a row of the norm kernel takes: the most that divide the row's 16-byte vectors (a CTA
+#: holds up to 256 threads, several rows where a row takes fewer).
 NORM_THREADS = (256, 128, 64, 32)
 
 
@@ -96,8 +99,8 @@ def config(m: int, n: int, k: int, spec: PostNorm, cfg: WgmmaConfig | None = Non
 
 
 def kernels(m: int, n: int, k: int, spec: PostNorm, cfg: WgmmaConfig | None = None, lead=None, per_thread: bool = False) -> tuple:
-    """``(gemm, norm, parts)``: the GEMM kernel (tirx, sm_90a; ``(x, w, operand 0, operand 1, y,
-    stats)``, ``y`` of shape ``[M, N]`` in :func:`sum_dtype`, ``stats`` ``[M, parts, 2]``), the
+    """``(gemm, norm, parts)``: the GEMM kernel (tirx, sm_90a; ``(x, w, the added operands..., y,
+    stats)``, ``y`` of shape ``[*lead, N]`` in :func:`sum_dtype`, ``stats`` ``[M, parts, 2]``), the
     norm's scheduled PrimFunc (:func:`norm_func`, :func:`schedule_norm` with ``per_thread``),
     and the parts a row's statistics come in."""
     found = problems(m, n, k, spec, cfg)
