@@ -14,6 +14,7 @@ from tvm import relax
 from tvm.relax.dpl import is_op, rewrite_call, wildcard
 
 from ..graph import ops
+from .user_functions import rewrite_user_functions
 
 
 def _rewrite(func: relax.Function) -> relax.Function:
@@ -35,8 +36,4 @@ class CastBeforeTranspose:  # pylint: disable=too-few-public-methods
     """Move casts of transposed tensors before the transpose (see module doc)."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        out = mod.clone()
-        for gv, func in mod.functions_items():
-            if isinstance(func, relax.Function) and not (func.attrs and ("Primitive" in func.attrs or "Composite" in func.attrs)):
-                out[gv] = _rewrite(func)
-        return out
+        return rewrite_user_functions(mod, _rewrite)

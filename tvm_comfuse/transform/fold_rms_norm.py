@@ -18,6 +18,8 @@ import tvm_ffi
 from tvm import relax
 from tvm.relax.dpl import is_const, is_op, rewrite_call, wildcard
 
+from .user_functions import rewrite_user_functions
+
 
 def _last_axis(call, ndim: int) -> bool:
     axis = [int(a) for a in call.attrs.axis] if call.attrs.axis is not None else None
@@ -61,8 +63,4 @@ class FoldRMSNorm:  # pylint: disable=too-few-public-methods
     """Fold RMSNorms written out as arithmetic into ``relax.nn.rms_norm`` (see module doc)."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        out = mod.clone()
-        for gv, func in mod.functions_items():
-            if isinstance(func, relax.Function) and not (func.attrs and ("Primitive" in func.attrs or "Composite" in func.attrs)):
-                out[gv] = _rewrite(func)
-        return out
+        return rewrite_user_functions(mod, _rewrite)

@@ -39,6 +39,7 @@ from ..target import is_gpu, parse_target
 from .cast_before_transpose import CastBeforeTranspose
 from .fold_rms_norm import FoldRMSNorm
 from .hoist_row_reshape import HoistRowReshape
+from .user_functions import user_functions
 
 GROUPS_ATTR = "comfuse.groups"
 KIND_ATTR = "comfuse.kind"
@@ -46,13 +47,8 @@ _PATTERN_PREFIX = "comfuse."
 
 
 def _relax_functions(mod: tvm.IRModule):
-    """The user-level Relax functions of a module (outlined/primitive functions excluded)."""
-    for gv, func in mod.functions_items():
-        if not isinstance(func, relax.Function):
-            continue
-        attrs = func.attrs or {}
-        if "Primitive" in attrs or "Composite" in attrs or "Codegen" in attrs:
-            continue
+    """``(name, function)`` of the user-level Relax functions of a module."""
+    for gv, func in user_functions(mod):
         yield gv.name_hint, func
 
 

@@ -18,6 +18,7 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ..graph import ops
+from .user_functions import user_functions
 
 
 def _shape(expr):
@@ -125,11 +126,7 @@ class HoistRowReshape:  # pylint: disable=too-few-public-methods
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         """Rewrite every Relax function; unused old bindings are removed."""
         out = mod.clone()
-        for gv, func in mod.functions_items():
-            if not isinstance(func, relax.Function) or not isinstance(func.body, relax.SeqExpr):
-                continue
-            if func.attrs and ("Primitive" in func.attrs or "Composite" in func.attrs):
-                continue
-            new = _Hoister(_use_counts(func), mod).visit_expr(func)
-            out[gv] = relax.analysis.remove_all_unused(new)
+        for gv, func in user_functions(mod):
+            if isinstance(func.body, relax.SeqExpr):
+                out[gv] = relax.analysis.remove_all_unused(_Hoister(_use_counts(func), mod).visit_expr(func))
         return out
