@@ -7,9 +7,9 @@ hopper=False)`` compiles the same module: a record tuned here is a record found 
 
 What MetaSchedule tunes: on sm_90 targets (where ``get_pipeline`` runs post-norm groups as the
 Hopper wgmma kernel by default) each group that kernel takes is a ``wgmma_postnorm`` task, its
-configurations the space (:mod:`.hopper`; a post-norm that runs split, rows wider than a
-cluster holds, is a ``wgmma_split_gemm`` task of its GEMM), and with ``hopper_groups`` naming ``elementwise``
-each GEMM + elementwise group the Hopper kernel takes a ``wgmma_elementwise`` task (naming
+configurations the space (:mod:`.hopper`; a post-norm that runs split is a
+``wgmma_split_gemm`` task of its GEMM), and with ``hopper_groups`` naming ``elementwise`` each
+GEMM + elementwise group the Hopper kernel takes a ``wgmma_elementwise`` task (naming
 ``b2b``, each GEMM -> elementwise -> GEMM pair a ``wgmma_b2b`` task); every other
 fused group is a task of the gemm_reduce or gemm_elementwise rule's space (and, with
 ``include_vanilla``, the stock rules' for the rest). ``hopper=False`` tunes the portable
