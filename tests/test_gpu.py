@@ -368,8 +368,8 @@ def test_gpu_wgmma_postnorm_matches_torch(M, N, K, dtype, norm, cfg, stage):
 def test_gpu_split_postnorm_matches_torch(M, N, K, dtype, norm, cfg, norm_out, per_thread):
     """The split post-norm (:mod:`tvm_comfuse.schedule.split_norm`): the GEMM kernel writes the
     sum and each row's statistics over its warpgroups' parts, the norm kernel combines them
-    (across its CTA, or in every thread). Against PyTorch in fp32, the residual's mean far from 0 (a one-pass sum of squares would
-    cancel); the sum the GEMM kernel writes matches too."""
+    (across its CTA, or in every thread). Against PyTorch in fp32, the residual's mean far from
+    0 (a one-pass sum of squares would cancel); the sum the GEMM kernel writes matches too."""
     import dataclasses  # pylint: disable=import-outside-toplevel
 
     import tvm  # pylint: disable=import-outside-toplevel
