@@ -192,12 +192,14 @@ def schedule_norm(func: tvm.tirx.PrimFunc, m: int, n: int, spec: PostNorm, per_t
         sch.reverse_compute_at(b, chunks)
         inner = sch.get_loops(b)[-1]
         sch.vectorize(sch.split(inner, [None, 16 // size(sch.get(b).writes[0].source.dtype)])[-1])
+    # one part (a row of one warpgroup's columns): nothing to reduce across threads
+    alone = per_thread or int(sch.get(sch.get_sblock("mean_sum")).iter_vars[-1].dom.extent) == 1
     rstd = sch.get_sblock("rstd")
-    sch.compute_at(rstd, tx if per_thread else rows)
+    sch.compute_at(rstd, tx if alone else rows)
     sch.set_scope(rstd, 0, "local")
     for name in ("dev_sum", "mean_sum") if spec.norm == "layer_norm" else ("mean_sum",):
         block = sch.get_sblock(name)
-        if per_thread:
+        if alone:
             sch.compute_at(block, tx)
         else:
             sch.compute_at(block, rows)
