@@ -356,13 +356,13 @@ def test_gpu_wgmma_postnorm_matches_torch(M, N, K, dtype, norm, cfg, stage):
 
 
 @pytest.mark.parametrize("M, N, K, dtype, norm, cfg, norm_out, per_thread", [
-    (8192, 4096, 4096, "float16", "layer_norm", None, False, False),  # gpt-4k, persistent 128 x 256 tiles
+    (8192, 4096, 4096, "float16", "layer_norm", None, False, True),  # gpt-4k, persistent 128 x 256 tiles
     (1000, 8192, 1024, "bfloat16", "rms_norm", None, False, True),  # ragged M, rows no cluster holds
-    (4096, 768, 768, "float16", "layer_norm", None, True, False),  # 128 x 192 tiles, one a CTA; the float32 norm too
+    (4096, 768, 768, "float16", "layer_norm", None, True, True),  # 128 x 192 tiles, one a CTA; the float32 norm too
     (4096, 1024, 1024, "float16", "layer_norm", None, True, True),
-    (16384, 1024, 256, "float16", "layer_norm", (128, 128, 4, 64, 1, 1, False, 1, 0, False, True), False, False),
+    (16384, 1024, 256, "float16", "layer_norm", (128, 128, 4, 64, 1, 1, False, 1, 0, False, True), False, True),
     # the residual loaded by TMA into the staging buffers (session 17): rows no tile divides, and many tiles a CTA
-    (1000, 8192, 1024, "bfloat16", "rms_norm", (128, 256, 3, 64, 1, 1, False, 1, 0, False, True, True), False, False),
+    (1000, 8192, 1024, "bfloat16", "rms_norm", (128, 256, 3, 64, 1, 1, False, 1, 0, False, True, True), False, True),
     (16384, 1024, 256, "float16", "layer_norm", (128, 256, 3, 64, 1, 1, False, 1, 0, False, True, True), False, True),
 ])
 def test_gpu_split_postnorm_matches_torch(M, N, K, dtype, norm, cfg, norm_out, per_thread):
