@@ -343,7 +343,7 @@ class HopperOffload:
         from ..tune import hopper  # pylint: disable=import-outside-toplevel  (tune imports the pipeline)
 
         func, desc = task()
-        return None if func is None else hopper.tuned_config(self.database, hopper.workload(func, desc))
+        return None if func is None else hopper.tuned_config(self.database, hopper.task_module(func, desc))
 
     def report_tuned(self, tuned: int, total: int, what: str) -> None:
         """Tell how many of the ``total`` kernels of ``what`` use tuned configurations (a warning
@@ -427,7 +427,7 @@ class OffloadHopperPostNorm(HopperOffload):  # pylint: disable=too-few-public-me
         for gv, func, found, kernel in postnorm_groups(mod, self.split):
             spec, roles, mnk, out_shape, order = found
             if kernel == "split":
-                cfg = hopper.tuned_config(self.database, hopper.split_workload(hopper.describe_split(found))) if self.database else None
+                cfg = self.tuned(lambda: (func, hopper.describe_split(found)))  # noqa: B023
                 tuned += cfg is not None
                 offloads[gv.name_hint] = split_call(kernels, gv.name_hint, found, cfg)
                 continue

@@ -253,6 +253,12 @@ def describe_b2b(spec, mnk, leads, inputs: int) -> Description:
     return Description(spec, tuple(mnk), tuple(tuple(d) for d in leads), tuple(range(inputs)), ("out",), "b2b")
 
 
+def task_module(func: relax.Function, desc: Description) -> tvm.IRModule:
+    """The task module of a Hopper kernel: :func:`split_workload` for a split post-norm's GEMM,
+    else the group's own PrimFunc (:func:`workload`)."""
+    return split_workload(desc) if desc.family == "split" else workload(func, desc)
+
+
 def workload(func: relax.Function, desc: Description) -> tvm.IRModule:
     """The task module of the outlined group function ``func``: its fused PrimFunc (as
     LegalizeOps and FuseTIR make it) as ``main``, tagged with ``desc``."""

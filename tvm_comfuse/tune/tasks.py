@@ -77,11 +77,9 @@ def hopper_tasks(mod: tvm.IRModule, target: tvm.target.Target, hopper_groups=Non
     split, norms = "split_norm" in groups, "post_norm" in groups or "split_norm" in groups
     if norms:
         for gv, func, found, kernel in postnorm_groups(grouped, split):
-            if kernel == "split":  # the GEMM with the row statistics; its norm kernel has nothing to tune
-                desc = hopper.describe_split(found)
-                add(gv.name_hint, desc.kind, hopper.split_workload(desc))
-            else:
-                add(gv.name_hint, hopper.KIND, hopper.workload(func, hopper.describe(found)))
+            # a split one's task is its GEMM with the row statistics (its norm kernel has nothing to tune)
+            desc = hopper.describe_split(found) if kernel == "split" else hopper.describe(found)
+            add(gv.name_hint, desc.kind, hopper.task_module(func, desc))
     noop = lambda *_: None  # noqa: E731  (rewrite the graph as the compile does, build nothing)
     before = [OffloadHopperPostNorm(target, noop, split=split)] if norms else []
     before += [OffloadHopperAttention(target, noop)] if "attention" in groups else []
