@@ -34,6 +34,7 @@ import tvm
 from wgmma_gemm import build, measure_postnorm, save, suite_cases, timed  # the same directory: sys.path[0] when run as a script
 
 from tvm_comfuse.schedule import split_norm as sn, wgmma_postnorm as wp
+from tvm_comfuse.schedule.wgmma_elementwise import Elementwise, wgmma_elementwise
 from tvm_comfuse.schedule.wgmma_mainloop import WgmmaConfig
 
 #: the post-norm suite (fp16 LayerNorm), then rows wider than a cluster holds
@@ -74,6 +75,27 @@ def split(m, n, k, spec, cfg, inputs, out, ref, base, per_thread=True):
     return row
 
 
+def gemm_parts(m, n, k, spec, inputs, base):
+    """Rows of the default split's GEMM kernel with less in its epilogue, to say where its time
+    goes: ``gemm_plain`` (no chain, no statistics: the mainloop and the store), ``gemm_chain``
+    (the bias and residual, no statistics). Timed alone, outputs not checked (the split rows are)."""
+    cfg, full = sn.config(m, n, k, spec), sn.gemm_spec(spec)
+    rows = []
+    for name, gspec, ops in (("gemm_plain", Elementwise(full.dtype, out_dtype=full.out_dtype), 0),
+                             ("gemm_chain", dataclasses.replace(full, stats=""), len(full.operands))):
+        row = dict(base, contender=name, config=dataclasses.asdict(cfg))
+        try:
+            fn = build(wgmma_elementwise(m, n, k, gspec, cfg))["main"]
+            x, w, *rest = [tvm.runtime.from_dlpack(t) for t in inputs[:2 + ops]]
+            y = tvm.runtime.from_dlpack(torch.empty(m, n, device="cuda", dtype=getattr(torch, gspec.out_dtype)))
+            timed(row, lambda: fn(x, w, *rest, y))
+        except Exception as err:  # pylint: disable=broad-except
+            row["error"] = (str(err).strip().splitlines() or [type(err).__name__])[-1][:200]
+        print(f"  {name} {cfg}: {row.get('kernel_us', row.get('error'))}", flush=True)
+        rows.append(row)
+    return rows
+
+
 def main():
     rows = []
     for m, k, n, inputs, ref, base in suite_cases(SHAPES, 0, rows, ("cublas_gemm_alone", "eager", "inductor")):
@@ -88,6 +110,7 @@ def main():
         for cfg in [None] + [WgmmaConfig(bm, bn, s, bk, persistent=p) for bm, bn, s, bk, p in VARIANTS]:
             if cfg is None or not sn.problems(m, n, k, spec, cfg):
                 rows.append(split(m, n, k, spec, cfg, inputs, out, ref, base))
+        rows += gemm_parts(m, n, k, spec, inputs, base)
         save("split-norm.json", rows)
 
 

@@ -76,9 +76,12 @@ def measure_postnorm(base: dict, inputs: list, ref, m, n, k, spec, name: str, ma
 
 
 def timed(row: dict, fn) -> dict:
-    """``row`` with ``us`` (CUDA events, back to back) and ``kernel_us`` (profiler device time)."""
+    """``row`` with ``us`` (CUDA events, back to back), ``kernel_us`` (profiler device time) and
+    ``kernels`` (device time per kernel name, where a call runs several)."""
     row["us"] = _median_us(torch, fn)
-    row["kernel_us"] = bench.kernel_us(torch, fn)[0]
+    row["kernel_us"], calls, breakdown = bench.kernel_us(torch, fn)
+    if calls > 1:
+        row["kernels"] = breakdown
     return row
 
 
