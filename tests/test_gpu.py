@@ -355,21 +355,21 @@ def test_gpu_wgmma_postnorm_matches_torch(M, N, K, dtype, norm, cfg, stage):
     assert (out.float() - ref).abs().max().item() <= TOL[dtype]
 
 
-@pytest.mark.parametrize("M, N, K, dtype, norm, cfg, norm_out, per_thread", [
-    (8192, 4096, 4096, "float16", "layer_norm", None, False, True),  # gpt-4k, persistent 128 x 256 tiles
-    (1000, 8192, 1024, "bfloat16", "rms_norm", None, False, True),  # ragged M, rows no cluster holds
-    (4096, 768, 768, "float16", "layer_norm", None, True, True),  # 128 x 192 tiles, one a CTA; the float32 norm too
-    (4096, 1024, 1024, "float16", "layer_norm", None, True, True),
-    (16384, 1024, 256, "float16", "layer_norm", (128, 128, 4, 64, 1, 1, False, 1, 0, False, True), False, True),
+@pytest.mark.parametrize("M, N, K, dtype, norm, cfg, norm_out", [
+    (8192, 4096, 4096, "float16", "layer_norm", None, False),  # gpt-4k, persistent 128 x 256 tiles
+    (1000, 8192, 1024, "bfloat16", "rms_norm", None, False),  # ragged M, rows no cluster holds
+    (4096, 768, 768, "float16", "layer_norm", None, True),  # 128 x 192 tiles, one a CTA; the float32 norm too
+    (4096, 1024, 1024, "float16", "layer_norm", None, True),
+    (16384, 1024, 256, "float16", "layer_norm", (128, 128, 4, 64, 1, 1, False, 1, 0, False, True), False),
     # the residual loaded by TMA into the staging buffers (session 17): rows no tile divides, and many tiles a CTA
-    (1000, 8192, 1024, "bfloat16", "rms_norm", (128, 256, 3, 64, 1, 1, False, 1, 0, False, True, True), False, True),
-    (16384, 1024, 256, "float16", "layer_norm", (128, 256, 3, 64, 1, 1, False, 1, 0, False, True, True), False, True),
+    (1000, 8192, 1024, "bfloat16", "rms_norm", (128, 256, 3, 64, 1, 1, False, 1, 0, False, True, True), False),
+    (16384, 1024, 256, "float16", "layer_norm", (128, 256, 3, 64, 1, 1, False, 1, 0, False, True, True), False),
 ])
-def test_gpu_split_postnorm_matches_torch(M, N, K, dtype, norm, cfg, norm_out, per_thread):
+def test_gpu_split_postnorm_matches_torch(M, N, K, dtype, norm, cfg, norm_out):
     """The split post-norm (:mod:`tvm_comfuse.schedule.split_norm`): the GEMM kernel writes the
-    sum and each row's statistics over its warpgroups' parts, the norm kernel combines them
-    (across its CTA, or in every thread). Against PyTorch in fp32, the residual's mean far from
-    0 (a one-pass sum of squares would cancel); the sum the GEMM kernel writes matches too."""
+    sum and each row's statistics over its warpgroups' parts, the norm kernel combines them.
+    Against PyTorch in fp32, the residual's mean far from 0 (a one-pass sum of squares would
+    cancel); the sum the GEMM kernel writes matches too."""
     import dataclasses  # pylint: disable=import-outside-toplevel
 
     import tvm  # pylint: disable=import-outside-toplevel
@@ -380,7 +380,7 @@ def test_gpu_split_postnorm_matches_torch(M, N, K, dtype, norm, cfg, norm_out, p
     x, w, b, r, g, be = _inputs(M, K, N, dtype, linear=True)
     r = r + 8
     spec = dataclasses.replace(wp.PostNorm.suite(dtype, norm), norm_out=norm_out)
-    gemm, norm_func, parts = sn.kernels(M, N, K, spec, cfg and wm.WgmmaConfig(*cfg), per_thread=per_thread)
+    gemm, norm_func, parts = sn.kernels(M, N, K, spec, cfg and wm.WgmmaConfig(*cfg))
     y = torch.full((M, N), float("nan"), device="cuda", dtype=x.dtype)
     stats = torch.full((M, parts, 2), float("nan"), device="cuda")
     outs = [torch.full((M, N), float("nan"), device="cuda", dtype=dt) for dt in [x.dtype] + ([torch.float32] if norm_out else [])]

@@ -98,10 +98,10 @@ def config(m: int, n: int, k: int, spec: PostNorm, cfg: WgmmaConfig | None = Non
     return cfg or default_config(m, n, k, gemm_spec(spec))
 
 
-def kernels(m: int, n: int, k: int, spec: PostNorm, cfg: WgmmaConfig | None = None, lead=None, per_thread: bool = True) -> tuple:
+def kernels(m: int, n: int, k: int, spec: PostNorm, cfg: WgmmaConfig | None = None, lead=None) -> tuple:
     """``(gemm, norm, parts)``: the GEMM kernel (tirx, sm_90a; ``(x, w, the added operands..., y,
     stats)``, ``y`` of shape ``[*lead, N]`` in :func:`sum_dtype`, ``stats`` ``[M, parts, 2]``), the
-    norm's scheduled PrimFunc (:func:`norm_func`, :func:`schedule_norm` with ``per_thread``),
+    norm's scheduled PrimFunc (:func:`norm_func`, :func:`schedule_norm`),
     and the parts a row's statistics come in."""
     found = problems(m, n, k, spec, cfg)
     if found:
@@ -109,7 +109,7 @@ def kernels(m: int, n: int, k: int, spec: PostNorm, cfg: WgmmaConfig | None = No
     cfg = config(m, n, k, spec, cfg)
     parts = n // cfg.wg_cols
     gemm = wgmma_elementwise(m, n, k, gemm_spec(spec), cfg, lead=lead)
-    return gemm, schedule_norm(norm_func(m, n, parts, spec, lead), m, n, spec, per_thread), parts
+    return gemm, schedule_norm(norm_func(m, n, parts, spec, lead), m, n, spec), parts
 
 
 def norm_func(m: int, n: int, parts: int, spec: PostNorm, lead=None) -> tvm.tirx.PrimFunc:
@@ -151,19 +151,18 @@ def norm_func(m: int, n: int, parts: int, spec: PostNorm, lead=None) -> tvm.tirx
     return te.create_prim_func(params)
 
 
-def schedule_norm(func: tvm.tirx.PrimFunc, m: int, n: int, spec: PostNorm, per_thread: bool = True) -> tvm.tirx.PrimFunc:
-    """``func`` (:func:`norm_func`, ``m`` rows of ``n``) scheduled for a GPU: a row's threads
-    (up to 256; a CTA holds up to 8 rows where a row has fewer, so short rows still fill the
-    SMs' thread slots) reduce the row's statistics across themselves (TVM's cross-thread
-    reduction: shuffles and CTA barriers), each computes the reciprocal deviation once, then
-    moves its share of the row 16 bytes at a time: ``y``, gamma and beta are read into
-    registers by vector loads, the values computed one by one (TVM's CUDA codegen miswrites
-    eight-wide float32 vectors) and the output written back by vector stores. ``per_thread``:
-    each thread combines all the row's parts itself instead (``N / 256`` of them, read from
-    L1), with no barrier, so its loads of ``y`` can issue before the statistics are done. The
-    default: on the H100 (session 17) the cross-thread form gave wrong rows wherever a row's
-    reduction spans several warps (8 GPU tests failed, every per-thread case passed; not yet
-    understood), so it stays only for ``experiments/split_norm.py``."""
+def schedule_norm(func: tvm.tirx.PrimFunc, m: int, n: int, spec: PostNorm) -> tvm.tirx.PrimFunc:
+    """``func`` (:func:`norm_func`, ``m`` rows of ``n``) scheduled for a GPU: up to 256 threads a
+    row (a CTA holds up to 8 rows where a row has fewer, so short rows still fill the SMs' thread
+    slots). Each thread combines all the row's parts itself (``N / 256`` of them, read from L1),
+    with no barrier, so its loads of ``y`` can issue before the statistics are done, then moves
+    its share of the row 16 bytes at a time: ``y``, gamma and beta are read into registers by
+    vector loads, the values computed one by one (TVM's CUDA codegen miswrites eight-wide
+    float32 vectors) and the output written back by vector stores.
+    Why not TVM's cross-thread reduction of the parts (shuffles and CTA barriers): on the H100
+    (session 17) that schedule wrote wrong rows wherever a row's reduction spanned several warps
+    (8 GPU tests failed, not understood), and where it was right it measured no faster
+    (``session17-h100-2026-12-05/split-norm-4ec9681.json``); it was removed in session 18."""
     sch = tvm.s_tir.Schedule(func)
     vec = vector(spec)
     threads = next(t for t in NORM_THREADS if n % (t * vec) == 0)
@@ -194,19 +193,9 @@ def schedule_norm(func: tvm.tirx.PrimFunc, m: int, n: int, spec: PostNorm, per_t
         sch.reverse_compute_at(b, chunks)
         inner = sch.get_loops(b)[-1]
         sch.vectorize(sch.split(inner, [None, 16 // size(sch.get(b).writes[0].source.dtype)])[-1])
-    # one part (a row of one warpgroup's columns): nothing to reduce across threads
-    alone = per_thread or int(sch.get(sch.get_sblock("mean_sum")).iter_vars[-1].dom.extent) == 1
-    rstd = sch.get_sblock("rstd")
-    sch.compute_at(rstd, tx if alone else rows)
-    sch.set_scope(rstd, 0, "local")
-    for name in ("dev_sum", "mean_sum") if spec.norm == "layer_norm" else ("mean_sum",):
+    for name in ("rstd", "dev_sum", "mean_sum") if spec.norm == "layer_norm" else ("rstd", "mean_sum"):
         block = sch.get_sblock(name)
-        if alone:
-            sch.compute_at(block, tx)
-        else:
-            sch.compute_at(block, rows)
-            _, ptx = sch.split(sch.get_loops(block)[-1], [None, threads])
-            sch.bind(ptx, "threadIdx.x")
+        sch.compute_at(block, tx)
         sch.set_scope(block, 0, "local")
     return sch.mod["main"]
 
