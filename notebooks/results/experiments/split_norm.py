@@ -24,10 +24,12 @@ Outcome on the H100 (session 17, ``session17-h100-2026-12-05/split-norm-4ec9681.
 faster than the cluster kernel at gpt-4k but 1.07x slower than torch.compile; see NOTES. Session
 18 adds the split's GEMM with less in its epilogue (``gemm_parts``) and each kernel's time.
 
-Run: ``bash .ci/gpu-run notebooks/results/experiments/split_norm.py`` (``$OUT/split-norm.json``).
+Run: ``bash .ci/gpu-run notebooks/results/experiments/split_norm.py`` (``$OUT/split-norm.json``);
+``python3 notebooks/results/experiments/split_norm.py --breakdown`` for the defaults' breakdown only.
 """
 
 import dataclasses
+import sys
 
 import torch
 import tvm
@@ -41,6 +43,8 @@ from tvm_comfuse.schedule.wgmma_mainloop import WgmmaConfig
 #: the post-norm suite (fp16 LayerNorm), then rows wider than a cluster holds
 SHAPES = [(8192, 4096, 4096), (16384, 256, 1024), (4096, 4096, 1024), (4096, 3072, 768), (4096, 768, 768), (4096, 1024, 8192)]
 #: GEMM tiles besides the default: (bm, bn, stages, bk, persistent)
+#: ``--breakdown``: gpt-4k, BERT-large's FFN2 and attention output (issue 6's gap)
+QUICK_SHAPES = [(8192, 4096, 4096), (4096, 4096, 1024), (4096, 1024, 1024)]
 VARIANTS = [(128, 256, 4, 32, True), (128, 256, 3, 64, False), (128, 192, 4, 64, False), (128, 128, 4, 64, True)]
 
 
@@ -95,17 +99,21 @@ def gemm_parts(m, n, k, spec, inputs, base):
     return rows
 
 
-def main():
+def main(quick: bool):
+    """Every shape and variant; ``quick`` (``--breakdown``): the default split, its GEMM's parts
+    and the cluster kernel at gpt-4k and BERT-large's two post-norms only (one device call)."""
     rows = []
-    for m, k, n, inputs, ref, base in suite_cases(SHAPES, 0, rows, ("cublas_gemm_alone", "eager", "inductor")):
+    shapes = QUICK_SHAPES if quick else SHAPES
+    for m, k, n, inputs, ref, base in suite_cases(shapes, 0, rows, ("cublas_gemm_alone", "inductor") if quick else
+                                                  ("cublas_gemm_alone", "eager", "inductor")):
         spec = wp.PostNorm.suite("float16")
         out = torch.empty(m, n, device="cuda", dtype=torch.float16)
         if not wp.problems(m, n, k, spec):
             rows.append(measure_postnorm(base, inputs, ref, m, n, k, spec, "default", lambda: wp.wgmma_postnorm(m, n, k, spec)))
         staged = dataclasses.replace(sn.config(m, n, k, spec), stage_tiles=True)  # the residual loaded by TMA during the mainloop
-        if not sn.problems(m, n, k, spec, staged):
+        if not quick and not sn.problems(m, n, k, spec, staged):
             rows.append(split(m, n, k, spec, staged, inputs, out, ref, base))
-        for cfg in [None] + [WgmmaConfig(bm, bn, s, bk, persistent=p) for bm, bn, s, bk, p in VARIANTS]:
+        for cfg in [None] + ([] if quick else [WgmmaConfig(bm, bn, s, bk, persistent=p) for bm, bn, s, bk, p in VARIANTS]):
             if cfg is None or not sn.problems(m, n, k, spec, cfg):
                 rows.append(split(m, n, k, spec, cfg, inputs, out, ref, base))
         rows += gemm_parts(m, n, k, spec, inputs, base)
@@ -113,4 +121,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    main("--breakdown" in sys.argv[1:])
