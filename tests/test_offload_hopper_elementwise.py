@@ -286,7 +286,9 @@ def test_rewrite_agrees_with_vanilla_on_the_fuzz_family():
 
 
 @pytest.mark.parametrize("cfg", [wm.WgmmaConfig(128, 256, 3, 64, persistent=True), wm.WgmmaConfig(64, 256, 3, 64, pingpong=True),
-                                 wm.WgmmaConfig(128, 128, 3, 64, wg_n=2, persistent=True)])
+                                 wm.WgmmaConfig(128, 128, 3, 64, wg_n=2, persistent=True),
+                                 wm.WgmmaConfig(128, 256, 3, 64, persistent=True, group_rows=16),
+                                 wm.WgmmaConfig(64, 256, 3, 64, pingpong=True, group_rows=3)])
 @pytest.mark.parametrize("m, n", [(4100, 3072), (1000, 768), (64, 256), (8192, 4096)])
 def test_persistent_ctas_compute_every_tile_once(cfg, m, n):
     """The persistent kernel's walk (``tile_walk``, ``tile_origin``: the definitions its loops
@@ -303,7 +305,7 @@ def test_persistent_ctas_compute_every_tile_once(cfg, m, n):
         for wg in range(1, cfg.consumers + 1):
             first, step, cw = we.tile_walk(cfg, wg)
             for j in range((iters - first + step - 1) // step):
-                origin = we.tile_origin(cfg, tiles_m, bx + (first + step * j) * grid, cw)
+                origin = we.tile_origin(cfg, tiles_m, n // cfg.bn, bx + (first + step * j) * grid, cw)
                 done[origin] = done.get(origin, 0) + 1
     parts = {(r, c) for r in range(0, tiles_m * cfg.bm, 64) for c in range(0, n, cfg.wg_cols)}
     assert set(done) == parts and set(done.values()) == {1}

@@ -169,6 +169,8 @@ def problems(m: int, n: int, k: int, spec: Elementwise, cfg: WgmmaConfig | None 
     if spec.stats and not stages_output(spec, cfg):
         found.append(f"row statistics with {cfg.bm} x {cfg.bn} tiles whose output is not staged (they are read back from "
                      "the staging buffers: a row-major output, one column warpgroup, whole 128-byte boxes)")
+    if cfg.group_rows and not persistent(cfg):
+        found.append(f"group_rows = {cfg.group_rows} with one tile a CTA (a persistent walk's groups)")
     if persistent(cfg) and (cfg.producer_warps or cfg.ctas_per_sm != 1):
         found.append("persistent CTAs with producer warps or two CTAs an SM (persistent CTAs are one an SM, with a producer warpgroup)")
     return found + cfg.problems(_padded(m, cfg.bm), n, k, spec.dtype)
@@ -229,11 +231,22 @@ def tile_walk(cfg: WgmmaConfig, wg):
     return (wg - 1, 2, 0) if cfg.pingpong else (0, 1, wg - 1)
 
 
-def tile_origin(cfg: WgmmaConfig, tiles_m: int, t, cw):
+def tile_origin(cfg: WgmmaConfig, tiles_m: int, tiles_n: int, t, cw):
     """``(row, col)`` of warpgroup ``cw``'s ``64 x wg_cols`` part of tile ``t`` of a persistent
-    kernel (tiles numbered down the ``tiles_m`` row tiles first: a wave's CTAs share a few column
-    slices of w). Integers or TIR expressions alike."""
-    return t % tiles_m * cfg.bm + cw // cfg.wg_n * 64, t // tiles_m * cfg.bn + cw % cfg.wg_n * cfg.wg_cols
+    kernel of ``tiles_m x tiles_n`` tiles. Tiles are numbered down the row tiles first (a wave's
+    CTAs share a few column slices of w), in groups of ``cfg.group_rows`` row tiles (all of them
+    where 0) taken column slice by column slice (the last group has what rows are left).
+    Integers or TIR expressions alike."""
+    group = cfg.group_rows if 0 < cfg.group_rows < tiles_m else tiles_m
+    if group == tiles_m:
+        tile_row, tile_col = t % tiles_m, t // tiles_m
+    else:
+        first = t // (group * tiles_n) * group
+        rows = tiles_m - first  # in the last group, those left
+        rows = (min(rows, group) if isinstance(rows, int) else T.min(rows, group)) if tiles_m % group else group
+        at = t - first * tiles_n  # the tile's index in its group
+        tile_row, tile_col = first + at % rows, at // rows
+    return tile_row * cfg.bm + cw // cfg.wg_n * 64, tile_col * cfg.bn + cw % cfg.wg_n * cfg.wg_cols
 
 
 def own_buffers_bytes(spec: Elementwise, cfg: WgmmaConfig) -> int:
@@ -398,8 +411,8 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
 
     # persistent CTAs: one an SM, tiles t = bx, bx + grid, ... (tile_walk, tile_origin); each
     # consumer warpgroup stages into a buffer of its own
-    tiles_m, kt = _padded(m, bm) // bm, k // cfg.bk
-    tiles = tiles_m * (n // bn)
+    tiles_m, tiles_n, kt = _padded(m, bm) // bm, n // bn, k // cfg.bk
+    tiles = tiles_m * tiles_n
     grid = min(tiles, SM_COUNT)
     ring_elems = cfg.stages * (bm + bn) * cfg.bk
     # a buffer of its own, written once a tile (in place over its staged tile operand, if any)
@@ -419,7 +432,7 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
 
     @T.macro
     def finish(out_map, O, P, out, stats, acc, slot, cw, tw, t):  # warpgroup cw's part of tile t, staged in buffer `slot`
-        row0, col0 = T.meta_var(tile_origin(cfg, tiles_m, t, cw))
+        row0, col0 = T.meta_var(tile_origin(cfg, tiles_m, tiles_n, t, cw))
         if staged:
             loop_store(out_map, O, P, acc, slot, tw, row0, col0, 0)
             row_stats(stats, O, slot, tw, row0, col0)
@@ -459,7 +472,7 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
             producer()
             if tw == 0:
                 for it in T.serial(iters):
-                    row, col = T.meta_var(tile_origin(cfg, tiles_m, bx + it * grid, 0))
+                    row, col = T.meta_var(tile_origin(cfg, tiles_m, tiles_n, bx + it * grid, 0))
                     produce(x_map, w_map, S, S, full, empty, row, col, it * kt)
         else:
             consumer()
@@ -469,7 +482,7 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
                     if j + wg - 2 >= 0:
                         T.cuda.mbarrier_wait(turn.ptr_to([wg - 1]), (j + wg - 2) % 2)
                 if stage_in:  # its part of the tile operand loads while the mainloop runs
-                    row0, col0 = T.meta_var(tile_origin(cfg, tiles_m, bx + (first + step * j) * grid, cw))
+                    row0, col0 = T.meta_var(tile_origin(cfg, tiles_m, tiles_n, bx + (first + step * j) * grid, cw))
                     load_tile(tile_map, O, rfull, tw, wg - 1, row0, col0)
                 consume(S, S, full, empty, acc, da, db, cw, tw, (first + step * j) * kt)
                 if cfg.pingpong:

@@ -99,6 +99,13 @@ class WgmmaConfig:
     #: mainloop runs, and read it from there, in place of per-thread global loads in the
     #: accumulator layout (:mod:`.wgmma_elementwise`; the post-norm kernel stages its own).
     stage_tiles: bool = False
+    #: A persistent GEMM + elementwise kernel walks its tiles in groups of this many row tiles,
+    #: every column slice of a group before the next group (0: all the row tiles at once, column
+    #: slice by column slice). Why: a wave of CTAs then reads ``group_rows`` row tiles of x and
+    #: ``SMs / group_rows`` column slices of w, where walking whole columns reads all of x every
+    #: wave; at 8192 x 4096 -> 4096 that is x's 64 MB, more than L2 holds, once a wave
+    #: (:mod:`.wgmma_elementwise`; the post-norm kernels walk rows their own way).
+    group_rows: int = 0
 
     @property
     def slot_readers(self) -> int:
@@ -180,6 +187,8 @@ class WgmmaConfig:
         if self.compiled_regs < self.wg_cols // 2 + 32:  # ptxas: m64n256 (128 accumulators) needs 154
             found.append(f"{self.consumers} consumer warpgroups of {self.wg_cols // 2} accumulators each ({self.compiled_regs} "
                          f"registers per thread: fewer warpgroups{', or a producer warp' if not self.producer_warps else ''})")
+        if self.group_rows < 0:
+            found.append(f"group_rows = {self.group_rows} (0: whole columns, or the row tiles a group)")
         if self.ctas_per_sm not in (1, 2):
             found.append(f"ctas_per_sm = {self.ctas_per_sm} (1 or 2)")
         if self.smem_bytes + self.resident_bytes(k) > self.smem_limit:

@@ -43,6 +43,9 @@ from tvm_comfuse.schedule.wgmma_mainloop import WgmmaConfig
 #: the post-norm suite (fp16 LayerNorm), then rows wider than a cluster holds
 SHAPES = [(8192, 4096, 4096), (16384, 256, 1024), (4096, 4096, 1024), (4096, 3072, 768), (4096, 768, 768), (4096, 1024, 8192)]
 #: GEMM tiles besides the default: (bm, bn, stages, bk, persistent)
+#: Row tiles a group of the persistent walk takes (``WgmmaConfig.group_rows``, session 18): a wave
+#: of 132 CTAs then reads 16 row tiles of x and ~8 column slices of w, ~33 MB at K = 4096
+GROUP_ROWS = 16
 #: ``--breakdown``: gpt-4k, BERT-large's FFN2 and attention output (issue 6's gap)
 QUICK_SHAPES = [(8192, 4096, 4096), (4096, 4096, 1024), (4096, 1024, 1024)]
 VARIANTS = [(128, 256, 4, 32, True), (128, 256, 3, 64, False), (128, 192, 4, 64, False), (128, 128, 4, 64, True)]
@@ -81,20 +84,25 @@ def split(m, n, k, spec, cfg, inputs, out, ref, base):
 def gemm_parts(m, n, k, spec, inputs, base):
     """Rows of the default split's GEMM kernel with less in its epilogue, to say where its time
     goes: ``gemm_plain`` (no chain, no statistics: the mainloop and the store), ``gemm_chain``
-    (the bias and residual, no statistics). Timed alone, outputs not checked (the split rows are)."""
+    (the bias and residual, no statistics); where its CTAs are persistent, ``gemm_plain`` again
+    with tiles walked in groups of 16 row tiles (``WgmmaConfig.group_rows``). Timed alone,
+    outputs not checked (the split rows are)."""
     cfg, full = sn.config(m, n, k, spec), sn.gemm_spec(spec)
+    plain = Elementwise(full.dtype, out_dtype=full.out_dtype)
+    cases = [("gemm_plain", plain, 0, cfg), ("gemm_chain", dataclasses.replace(full, stats=""), len(full.operands), cfg)]
+    if cfg.persistent:
+        cases.append(("gemm_plain", plain, 0, dataclasses.replace(cfg, group_rows=GROUP_ROWS)))
     rows = []
-    for name, gspec, ops in (("gemm_plain", Elementwise(full.dtype, out_dtype=full.out_dtype), 0),
-                             ("gemm_chain", dataclasses.replace(full, stats=""), len(full.operands))):
-        row = dict(base, contender=name, config=dataclasses.asdict(cfg))
+    for name, gspec, ops, c in cases:
+        row = dict(base, contender=name, config=dataclasses.asdict(c))
         try:
-            fn = build(wgmma_elementwise(m, n, k, gspec, cfg))["main"]
+            fn = build(wgmma_elementwise(m, n, k, gspec, c))["main"]
             x, w, *rest = [tvm.runtime.from_dlpack(t) for t in inputs[:2 + ops]]
             y = tvm.runtime.from_dlpack(torch.empty(m, n, device="cuda", dtype=getattr(torch, gspec.out_dtype)))
             timed(row, lambda: fn(x, w, *rest, y))
         except Exception as err:  # pylint: disable=broad-except
             row["error"] = (str(err).strip().splitlines() or [type(err).__name__])[-1][:200]
-        print(f"  {name} {cfg}: {row.get('kernel_us', row.get('error'))}", flush=True)
+        print(f"  {name} {c}: {row.get('kernel_us', row.get('error'))}", flush=True)
         rows.append(row)
     return rows
 
@@ -113,7 +121,9 @@ def main(quick: bool):
         staged = dataclasses.replace(sn.config(m, n, k, spec), stage_tiles=True)  # the residual loaded by TMA during the mainloop
         if not quick and not sn.problems(m, n, k, spec, staged):
             rows.append(split(m, n, k, spec, staged, inputs, out, ref, base))
-        for cfg in [None] + ([] if quick else [WgmmaConfig(bm, bn, s, bk, persistent=p) for bm, bn, s, bk, p in VARIANTS]):
+        default = sn.config(m, n, k, spec)
+        grouped = [dataclasses.replace(default, group_rows=GROUP_ROWS)] if default.persistent else []
+        for cfg in [None] + grouped + ([] if quick else [WgmmaConfig(bm, bn, s, bk, persistent=p) for bm, bn, s, bk, p in VARIANTS]):
             if cfg is None or not sn.problems(m, n, k, spec, cfg):
                 rows.append(split(m, n, k, spec, cfg, inputs, out, ref, base))
         rows += gemm_parts(m, n, k, spec, inputs, base)
