@@ -17,7 +17,7 @@ from tvm_comfuse.schedule import split_norm as sn
 from tvm_comfuse.schedule import wgmma_elementwise as we
 from tvm_comfuse.schedule import wgmma_postnorm as wp
 from tvm_comfuse.transform import FuseComputeMemory, OffloadHopperPostNorm
-from tvm_comfuse.transform.offload_hopper import match_postnorm
+from tvm_comfuse.transform.offload_hopper import SPLIT_MIN_K, match_postnorm, postnorm_kernel
 
 SM90A = {"kind": "cuda", "arch": "sm_90a"}
 
@@ -205,6 +205,21 @@ def test_rows_too_wide_for_the_rule_are_fused_only_when_the_hopper_kernel_takes_
     relu = wl.post_norm(8192, 4096, 4096, "float16", "layer_norm", linear=True, act="relu")
     (group,) = cf.analyze(relu, SM90A)
     assert not group.fused and "wider than a thread block" in group.note
+
+
+def test_long_k_post_norms_run_split_and_walk_row_groups_where_x_outgrows_l2():
+    """Session 18's defaults, from the H100 breakdown: the cluster kernel's groups with K >=
+    SPLIT_MIN_K run split (gpt-4k, BERT-large's FFN2), shorter K stays with the cluster kernel;
+    the split GEMM walks row tiles in groups where x takes more than half of L2 beside the
+    residual (gpt-4k's 64 MB), not where x fits or no tile operand streams beside it."""
+    spec = wp.PostNorm.suite("float16")
+    for (m, k, n), kernel in [((8192, 4096, 4096), "split"), ((4096, 4096, 1024), "split"), ((4096, 1024, 1024), "cluster"),
+                              ((16384, 256, 1024), "cluster"), ((4096, 3072, 768), "cluster")]:
+        assert postnorm_kernel(m, n, k, spec) == (kernel, []) and (kernel == "split") == (k >= SPLIT_MIN_K)
+    assert sn.config(8192, 4096, 4096, spec).group_rows == we.GROUP_ROWS
+    assert sn.config(4096, 8192, 1024, spec).group_rows == 0  # x is 8 MB
+    plain = we.default_config(8192, 4096, 4096, we.Elementwise())
+    assert plain.persistent and plain.group_rows == 0  # no residual streams beside x
 
 
 @pytest.mark.parametrize("dtype, norm, batch", [("float16", "layer_norm", None), ("bfloat16", "rms_norm", 2)])

@@ -51,6 +51,10 @@ STATS = ("", "layer_norm", "rms_norm")
 #: CTA tiles the default chooses from, with their throughput relative to 128 x 256 as plain
 #: GEMMs at 4096^3 on the H200 (session 8, ``wgmma-gemm-ws.json``: 0.77x cuBLAS for 128 x 256;
 #: 128 x 192 and 64 x 128 not measured there, interpolated).
+#: L2 of the H100 and H200 (50 MB), and the row tiles a group of a persistent walk takes where x
+#: outgrows half of it beside a tile operand (:func:`group_rows`).
+L2_BYTES = 50 * 2**20
+GROUP_ROWS = 16
 TILES = {(128, 256): 1.0, (256, 128): 0.97, (128, 192): 0.97, (128, 128): 0.91, (64, 256): 0.91, (64, 128): 0.85}
 
 
@@ -184,7 +188,8 @@ def default_config(m: int, n: int, k: int, spec: Elementwise = Elementwise()) ->
     beside the staging buffers: on the H200 (session 16, ``experiments/persistent_gemm.py``)
     that took FFN1 from 74.9 to 71.8 us at BERT-large and from 48.0 to 44.9 at BERT-base, and
     the plain 4096^3 GEMM from 214.1 to 210.7, while at one wave (the projections) there is no
-    next tile to load ahead and 128 x 192 tiles without persistence stayed fastest."""
+    next tile to load ahead and 128 x 192 tiles without persistence stayed fastest. Persistent
+    walks go in groups of row tiles where :func:`group_rows` says."""
     best = None
     for (bm, bn), rate in TILES.items():
         for bk in (64, 32):
@@ -206,8 +211,19 @@ def default_config(m: int, n: int, k: int, spec: Elementwise = Elementwise()) ->
             for stages in (4, 3):
                 looped = dataclasses.replace(cfg, stages=stages, bk=bk, persistent=True)
                 if not looped.problems(_padded(m, cfg.bm), n, k, spec.dtype) and stages_output(spec, looped):
-                    return looped
+                    return dataclasses.replace(looped, group_rows=group_rows(m, k, spec, looped))
     return cfg
+
+
+def group_rows(m: int, k: int, spec: Elementwise, cfg: WgmmaConfig) -> int:
+    """``WgmmaConfig.group_rows`` for a persistent kernel: :data:`GROUP_ROWS` where x (``m x k``)
+    takes more than half of L2 and the chain streams a tile operand (the residual) beside it, else
+    0 (whole columns). Measured on the H100 (session 18, ``experiments/split_norm.py
+    --breakdown``): the split post-norm's GEMM at 8192 x 4096 -> 4096 took 446.9 us against 475.7
+    walking whole columns (every wave read all of x's 64 MB); the plain GEMM there, 428.2 against
+    422.0, and where x fits L2 (4096 x 1024 -> 8192, 16384 x 256 -> 1024) either way within 3%."""
+    big = m * k * size(spec.dtype) > L2_BYTES // 2
+    return GROUP_ROWS if persistent(cfg) and big and any(tile for _, tile in spec.operands) else 0
 
 
 def staged_tile(spec: Elementwise) -> int | None:

@@ -24,6 +24,7 @@ nothing is proposed that cannot build.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 from . import wgmma_b2b as wb
@@ -67,6 +68,7 @@ def elementwise_configs(m: int, n: int, k: int, spec: we.Elementwise) -> list[Wg
     for (bm, bn), stages, bk, (persistent, stage_tiles) in itertools.product(we.TILES, STAGES, K_STEPS,
                                                                              ((False, False), (True, False), (True, True))):
         cfg = WgmmaConfig(bm=bm, bn=bn, stages=stages, bk=bk, persistent=persistent, stage_tiles=stage_tiles)
+        cfg = dataclasses.replace(cfg, group_rows=we.group_rows(m, k, spec, cfg))  # the default's walk
         # a persistent ring that leaves no room for its staging buffers stores from registers (34%
         # slower for FFN1 on the H200, session 15): left out where the output could be staged
         register_stores = persistent and not spec.layout and not we.stages_output(spec, cfg)

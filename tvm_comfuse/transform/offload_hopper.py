@@ -232,22 +232,35 @@ def uses_hopper(target, hopper: bool | None = None) -> bool:
     return bool(is_hopper(parse_target(target)) if hopper is None else hopper)
 
 
+#: K from which a post-norm the cluster kernel could take runs split instead. Measured on the H100
+#: (session 18, ``experiments/split_norm.py --breakdown``, device us, cluster kernel against split):
+#: 8192 x 4096 -> 4096 671.7 against 495.9, 4096 x 4096 -> 1024 63.3 against 56.4; at shorter K
+#: the cluster kernel's on-chip row wins or ties (4096 x 1024 -> 1024 20.7 against 24.2, 16384 x
+#: 256 -> 1024 49.6 against 65.1; session 17: 4096 x 3072 -> 768 36.9 against 36.7, 4096 x 768
+#: -> 768 13.8 against 16.2). Long K is where the cluster kernel's 64-row tiles, reading w from
+#: L2 twice as often as the split GEMM's 128-row ones, cost more than the sum's HBM round trip.
+SPLIT_MIN_K = 4096
+
+
 def postnorm_kernel(m, n, k, spec, split: bool = False) -> tuple:
     """Which Hopper kernel computes a post-norm group: ``("cluster", [])`` where the post-norm
     kernel's cluster holds its rows (:mod:`~tvm_comfuse.schedule.wgmma_postnorm`), else, for
     rows wider than a cluster holds, ``("split", [])`` where the GEMM + row statistics kernel
     and the norm kernel take it (:mod:`~tvm_comfuse.schedule.split_norm`), else ``(None, what
-    keeps each)``. Groups that also return the sum before the norm (a pre-norm block's
-    residual stream) run split too (its GEMM kernel writes that sum anyway), and so do chains
-    with other than a bias and a residual (a bias-less projection's residual alone, LLaMA's),
-    which the post-norm kernel does not express. Rows a cluster could hold but the kernel cannot
-    take otherwise (M not a multiple of 64) stay with the gemm_reduce rule's one kernel. ``split``: the split wherever it takes a group the cluster kernel would
-    (``hopper_groups`` with ``"split_norm"``: opt-in until measured)."""
+    keeps each)``. Where K is at least :data:`SPLIT_MIN_K` the split takes what it can of the
+    cluster kernel's groups too (measured faster there). Groups that also return the sum before
+    the norm (a pre-norm block's residual stream) run split too (its GEMM kernel writes that sum
+    anyway), and so do chains with other than a bias and a residual (a bias-less projection's
+    residual alone, LLaMA's), which the post-norm kernel does not express. Rows a cluster could
+    hold but the kernel cannot take otherwise (M not a multiple of 64) stay with the gemm_reduce
+    rule's one kernel. ``split``: the split wherever it takes a group the cluster kernel would
+    (``hopper_groups`` with ``"split_norm"``)."""
     from ..schedule import split_norm as sn, wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
 
     cluster = wp.problems(m, n, k, spec)
     if not cluster:
-        return ("split", []) if split and not sn.problems(m, n, k, spec) else ("cluster", [])
+        long_k = isinstance(k, int) and k >= SPLIT_MIN_K
+        return ("split", []) if (split or long_k) and not sn.problems(m, n, k, spec) else ("cluster", [])
     if not isinstance(n, int) or (wp.slices(n) and not spec.sum_out and len(spec.operands) == 2):
         return None, cluster
     found = sn.problems(m, n, k, spec)

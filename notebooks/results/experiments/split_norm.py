@@ -36,16 +36,13 @@ import tvm
 
 from wgmma_gemm import build, measure_postnorm, save, suite_cases, timed  # the same directory: sys.path[0] when run as a script
 
-from tvm_comfuse.schedule import split_norm as sn, wgmma_postnorm as wp
+from tvm_comfuse.schedule import split_norm as sn, wgmma_elementwise as we, wgmma_postnorm as wp
 from tvm_comfuse.schedule.wgmma_elementwise import Elementwise, wgmma_elementwise
 from tvm_comfuse.schedule.wgmma_mainloop import WgmmaConfig
 
 #: the post-norm suite (fp16 LayerNorm), then rows wider than a cluster holds
 SHAPES = [(8192, 4096, 4096), (16384, 256, 1024), (4096, 4096, 1024), (4096, 3072, 768), (4096, 768, 768), (4096, 1024, 8192)]
 #: GEMM tiles besides the default: (bm, bn, stages, bk, persistent)
-#: Row tiles a group of the persistent walk takes (``WgmmaConfig.group_rows``, session 18): a wave
-#: of 132 CTAs then reads 16 row tiles of x and ~8 column slices of w, ~33 MB at K = 4096
-GROUP_ROWS = 16
 #: ``--breakdown``: gpt-4k, BERT-large's FFN2 and attention output (issue 6's gap)
 QUICK_SHAPES = [(8192, 4096, 4096), (4096, 4096, 1024), (4096, 1024, 1024)]
 VARIANTS = [(128, 256, 4, 32, True), (128, 256, 3, 64, False), (128, 192, 4, 64, False), (128, 128, 4, 64, True)]
@@ -85,13 +82,16 @@ def gemm_parts(m, n, k, spec, inputs, base):
     """Rows of the default split's GEMM kernel with less in its epilogue, to say where its time
     goes: ``gemm_plain`` (no chain, no statistics: the mainloop and the store), ``gemm_chain``
     (the bias and residual, no statistics); where its CTAs are persistent, ``gemm_plain`` again
-    with tiles walked in groups of 16 row tiles (``WgmmaConfig.group_rows``). Timed alone,
-    outputs not checked (the split rows are)."""
+    with the other tile walk (``WgmmaConfig.group_rows``: groups of 16 row tiles, or whole
+    columns where the default groups) and ``gemm_chain`` with the residual loaded by TMA
+    (``stage_tiles``). Timed alone, outputs not checked (the split rows are)."""
     cfg, full = sn.config(m, n, k, spec), sn.gemm_spec(spec)
     plain = Elementwise(full.dtype, out_dtype=full.out_dtype)
     cases = [("gemm_plain", plain, 0, cfg), ("gemm_chain", dataclasses.replace(full, stats=""), len(full.operands), cfg)]
     if cfg.persistent:
-        cases.append(("gemm_plain", plain, 0, dataclasses.replace(cfg, group_rows=GROUP_ROWS)))
+        chain = dataclasses.replace(full, stats="")
+        cases += [("gemm_plain", plain, 0, dataclasses.replace(cfg, group_rows=we.GROUP_ROWS - cfg.group_rows)),  # the other walk
+                  ("gemm_chain", chain, len(full.operands), dataclasses.replace(cfg, stage_tiles=True))]
     rows = []
     for name, gspec, ops, c in cases:
         row = dict(base, contender=name, config=dataclasses.asdict(c))
@@ -111,7 +111,7 @@ def main(quick: bool):
     """Every shape and variant; ``quick`` (``--breakdown``): the default split, its GEMM's parts
     and the cluster kernel at gpt-4k and BERT-large's two post-norms only (one device call)."""
     rows = []
-    shapes = QUICK_SHAPES if quick else SHAPES
+    shapes = [tuple(map(int, a.split("x"))) for a in sys.argv[1:] if "x" in a] or (QUICK_SHAPES if quick else SHAPES)
     for m, k, n, inputs, ref, base in suite_cases(shapes, 0, rows, ("cublas_gemm_alone", "inductor") if quick else
                                                   ("cublas_gemm_alone", "eager", "inductor")):
         spec = wp.PostNorm.suite("float16")
@@ -121,8 +121,8 @@ def main(quick: bool):
         staged = dataclasses.replace(sn.config(m, n, k, spec), stage_tiles=True)  # the residual loaded by TMA during the mainloop
         if not quick and not sn.problems(m, n, k, spec, staged):
             rows.append(split(m, n, k, spec, staged, inputs, out, ref, base))
-        default = sn.config(m, n, k, spec)
-        grouped = [dataclasses.replace(default, group_rows=GROUP_ROWS)] if default.persistent else []
+        default = sn.config(m, n, k, spec)  # the other walk too (groups of row tiles, or whole columns)
+        grouped = [dataclasses.replace(default, group_rows=we.GROUP_ROWS - default.group_rows)] if default.persistent else []
         for cfg in [None] + grouped + ([] if quick else [WgmmaConfig(bm, bn, s, bk, persistent=p) for bm, bn, s, bk, p in VARIANTS]):
             if cfg is None or not sn.problems(m, n, k, spec, cfg):
                 rows.append(split(m, n, k, spec, cfg, inputs, out, ref, base))
