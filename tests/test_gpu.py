@@ -542,6 +542,7 @@ def test_gpu_wgmma_attention_matches_torch(b, h, s, d, dtype, scale_op, masked):
     (512, 256, 512, "bfloat16", "rms_norm", None), (512, 512, 4096, "float16", "layer_norm", None),
     (8192, 256, 768, "bfloat16", "layer_norm", 2),  # 16384 rows: the resident W's ping-pong groups by default
     (300, 512, 8192, "float16", "rms_norm", 2),  # rows no cluster holds: the split GEMM + norm kernels
+    (2048, 4096, 1024, "float16", "layer_norm", 2),  # K >= SPLIT_MIN_K: split by default (session 18)
 ])
 def test_gpu_hopper_pipeline_matches_pytorch(M, K, N, dtype, norm, batch):
     """``get_pipeline(..., hopper=True)`` end to end: the post-norm group runs as the wgmma
