@@ -48,13 +48,13 @@ from .wgmma_postnorm import SM_COUNT
 
 #: Row statistics the kernel can write beside its output (:attr:`Elementwise.stats`).
 STATS = ("", "layer_norm", "rms_norm")
-#: CTA tiles the default chooses from, with their throughput relative to 128 x 256 as plain
-#: GEMMs at 4096^3 on the H200 (session 8, ``wgmma-gemm-ws.json``: 0.77x cuBLAS for 128 x 256;
-#: 128 x 192 and 64 x 128 not measured there, interpolated).
 #: L2 of the H100 and H200 (50 MB), and the row tiles a group of a persistent walk takes where x
 #: outgrows half of it beside a tile operand (:func:`group_rows`).
 L2_BYTES = 50 * 2**20
 GROUP_ROWS = 16
+#: CTA tiles the default chooses from, with their throughput relative to 128 x 256 as plain
+#: GEMMs at 4096^3 on the H200 (session 8, ``wgmma-gemm-ws.json``: 0.77x cuBLAS for 128 x 256;
+#: 128 x 192 and 64 x 128 not measured there, interpolated).
 TILES = {(128, 256): 1.0, (256, 128): 0.97, (128, 192): 0.97, (128, 128): 0.91, (64, 256): 0.91, (64, 128): 0.85}
 
 
