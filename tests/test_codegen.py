@@ -375,9 +375,10 @@ def test_split_postnorm_kernels_write_row_statistics_from_the_staged_sum(m, n, d
     """A post-norm too wide for a cluster (or run split): the GEMM kernel stages the sum (bias,
     residual) for its TMA stores, reads it back for each row's statistics over the warpgroup's
     256 columns (quad shuffles; two passes for LayerNorm) and stores only those to global
-    memory, persistent where its tiles take more than a wave; the norm kernel moves the row in
-    16-byte vectors, its statistics combined across the CTA (barriers) or by each thread. Both compile for sm_90a without spills; the GEMM reads no accumulator
-    before the last wgmma wait."""
+    memory, persistent where its tiles take more than a wave (the residual loaded by TMA or
+    prefetched into L2 as options); the norm kernel moves the row in 16-byte vectors, its
+    statistics combined by each thread. Both compile for sm_90a without spills; the GEMM reads
+    no accumulator before the last wgmma wait."""
     from tvm_comfuse.schedule import split_norm as sn, wgmma_mainloop as wm, wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
 
     spec = wp.PostNorm.suite(dtype, norm)
@@ -405,6 +406,15 @@ def test_split_postnorm_kernels_write_row_statistics_from_the_staged_sum(m, n, d
         assert codegen.ptxas_usage(source)["spill"] == 0
         if codegen.nvdisasm() is not None:
             assert codegen.wgmma_hazards(codegen.sass(codegen.compile_with_nvcc(source, "sm_90a"))) == []
+        # or prefetched into L2 by the producer as it starts each tile: one box of 64 rows x 64
+        # columns at a time, the tile's 2 x 4, the residual's per-thread loads kept
+        prefetched = dataclasses.replace(staged, stage_tiles=False, prefetch_tiles=True)
+        source = codegen.cuda_source(wm.build(sn.kernels(m, n, 1024, spec, prefetched)[0]))
+        ptx = codegen.compile_with_nvcc(source, "sm_90a", fmt="ptx").decode()
+        ahead = ptx[ptx.index(".entry"):]
+        assert ahead.count("cp.async.bulk.prefetch.tensor.2d.L2.global") == 8 and ahead.count("ld.global") == body.count("ld.global")
+        assert codegen.ptxas_usage(source)["spill"] == 0
+        assert sn.problems(m, n, 1024, spec, dataclasses.replace(prefetched, stage_tiles=True))  # one or the other
     source = codegen.cuda_source(wm.build(norm_func, tir_pipeline="default"))
     ptx = codegen.compile_with_nvcc(source, "sm_90a", fmt="ptx").decode()
     assert "ld.global.nc.v4.u32" in ptx and "st.global.v4.u32" in ptx

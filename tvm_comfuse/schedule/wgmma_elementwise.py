@@ -43,7 +43,7 @@ from tvm.script import tirx as T
 from ..errors import ComFuseError
 from .chain import ACTIVATIONS, chain_value, np_chain, np_dtype
 from .staged_store import STAGE_BARRIER, box_cols, buffer_shape, drain, size, staged_at, staged_bytes, staged_store
-from .wgmma_mainloop import TMA_LOAD, Ring, WgmmaConfig, box_rows, consumer_sync, fragment, mainloop, roles, tensor_map
+from .wgmma_mainloop import TMA_LOAD, TMA_PREFETCH, Ring, WgmmaConfig, box_rows, consumer_sync, fragment, mainloop, roles, tensor_map
 from .wgmma_postnorm import SM_COUNT
 
 #: Row statistics the kernel can write beside its output (:attr:`Elementwise.stats`).
@@ -173,6 +173,10 @@ def problems(m: int, n: int, k: int, spec: Elementwise, cfg: WgmmaConfig | None 
     if spec.stats and not stages_output(spec, cfg):
         found.append(f"row statistics with {cfg.bm} x {cfg.bn} tiles whose output is not staged (they are read back from "
                      "the staging buffers: a row-major output, one column warpgroup, whole 128-byte boxes)")
+    if cfg.prefetch_tiles and (not persistent(cfg) or cfg.stage_tiles or staged_tile(spec) is None):
+        found.append(f"prefetch_tiles with {'stage_tiles' if cfg.stage_tiles else 'persistent' if persistent(cfg) else 'one tile a CTA'} "
+                     f"and tile operands {spec.operands} (persistent CTAs not staging the tile operand, and a tile operand in the "
+                     f"output's dtype {spec.out_dtype})")
     if cfg.group_rows and not persistent(cfg):
         found.append(f"group_rows = {cfg.group_rows} with one tile a CTA (a persistent walk's groups)")
     if persistent(cfg) and (cfg.producer_warps or cfg.ctas_per_sm != 1):
@@ -360,7 +364,8 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
                            "pass stage=None")
     if staged:
         maps["out"] = tensor_map(m, n, 64, box_cols(spec.out_dtype), spec.out_dtype)
-    tile_in = staged_tile(spec) if cfg.stage_tiles else None  # loaded into the staging buffers (problems checked it can be)
+    # loaded into the staging buffers, or prefetched into L2 (problems checked it can be)
+    tile_in = staged_tile(spec) if cfg.stage_tiles or cfg.prefetch_tiles else None
     if tile_in is not None:
         maps[f"p{tile_in}"] = tensor_map(m, n, 64, box_cols(spec.out_dtype), spec.out_dtype)
     sync = consumer_sync(cfg)
@@ -432,9 +437,15 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
     grid = min(tiles, SM_COUNT)
     ring_elems = cfg.stages * (bm + bn) * cfg.bk
     # a buffer of its own, written once a tile (in place over its staged tile operand, if any)
-    loop_store = staged_store(cfg.wg_cols, spec.out_dtype, staged_value if tile_in is None else (
+    stage_in, box, tile_bytes = cfg.stage_tiles, box_cols(spec.out_dtype), 64 * cfg.wg_cols * size(spec.out_dtype)
+    loop_store = staged_store(cfg.wg_cols, spec.out_dtype, staged_value if not stage_in else (
         lambda P, v, row, col, here: epilogue_value(spec, P, v, row, col, staged={tile_in: here})), buffers=1)
-    stage_in, box, tile_bytes = tile_in is not None, box_cols(spec.out_dtype), 64 * cfg.wg_cols * size(spec.out_dtype)
+
+    @T.macro
+    def prefetch_tile(tile_map, row0, col0):  # the tile operand's bm x bn tile at (row0, col0), into L2
+        for r in T.unroll(bm // 64):
+            for b in T.unroll(bn // box):
+                T.ptx[TMA_PREFETCH](T.address_of(tile_map), col0 + b * box, row0 + r * 64)
 
     @T.macro
     def load_tile(tile_map, O, rfull, tw, slot, row0, col0):  # warpgroup `slot`'s part of the tile operand, into its buffer
@@ -489,6 +500,8 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
             if tw == 0:
                 for it in T.serial(iters):
                     row, col = T.meta_var(tile_origin(cfg, tiles_m, tiles_n, bx + it * grid, 0))
+                    if cfg.prefetch_tiles:  # read by the tile's epilogue, a mainloop from now
+                        prefetch_tile(tile_map, row, col)
                     produce(x_map, w_map, S, S, full, empty, row, col, it * kt)
         else:
             consumer()

@@ -84,14 +84,16 @@ def gemm_parts(m, n, k, spec, inputs, base):
     (the bias and residual, no statistics); where its CTAs are persistent, ``gemm_plain`` again
     with the other tile walk (``WgmmaConfig.group_rows``: groups of 16 row tiles, or whole
     columns where the default groups) and ``gemm_chain`` with the residual loaded by TMA
-    (``stage_tiles``). Timed alone, outputs not checked (the split rows are)."""
+    (``stage_tiles``) or prefetched into L2 (``prefetch_tiles``). Timed alone, outputs not
+    checked (the split rows are)."""
     cfg, full = sn.config(m, n, k, spec), sn.gemm_spec(spec)
     plain = Elementwise(full.dtype, out_dtype=full.out_dtype)
     cases = [("gemm_plain", plain, 0, cfg), ("gemm_chain", dataclasses.replace(full, stats=""), len(full.operands), cfg)]
     if cfg.persistent:
         chain = dataclasses.replace(full, stats="")
         cases += [("gemm_plain", plain, 0, dataclasses.replace(cfg, group_rows=we.GROUP_ROWS - cfg.group_rows)),  # the other walk
-                  ("gemm_chain", chain, len(full.operands), dataclasses.replace(cfg, stage_tiles=True))]
+                  ("gemm_chain", chain, len(full.operands), dataclasses.replace(cfg, stage_tiles=True)),
+                  ("gemm_chain", chain, len(full.operands), dataclasses.replace(cfg, prefetch_tiles=True))]
     rows = []
     for name, gspec, ops, c in cases:
         row = dict(base, contender=name, config=dataclasses.asdict(c))
@@ -121,9 +123,10 @@ def main(quick: bool):
         staged = dataclasses.replace(sn.config(m, n, k, spec), stage_tiles=True)  # the residual loaded by TMA during the mainloop
         if not quick and not sn.problems(m, n, k, spec, staged):
             rows.append(split(m, n, k, spec, staged, inputs, out, ref, base))
-        default = sn.config(m, n, k, spec)  # the other walk too (groups of row tiles, or whole columns)
-        grouped = [dataclasses.replace(default, group_rows=we.GROUP_ROWS - default.group_rows)] if default.persistent else []
-        for cfg in [None] + grouped + ([] if quick else [WgmmaConfig(bm, bn, s, bk, persistent=p) for bm, bn, s, bk, p in VARIANTS]):
+        default = sn.config(m, n, k, spec)  # persistent: the other walk too, and the residual prefetched into L2
+        looped = [dataclasses.replace(default, group_rows=we.GROUP_ROWS - default.group_rows),
+                  dataclasses.replace(default, prefetch_tiles=True)] if default.persistent else []
+        for cfg in [None] + looped + ([] if quick else [WgmmaConfig(bm, bn, s, bk, persistent=p) for bm, bn, s, bk, p in VARIANTS]):
             if cfg is None or not sn.problems(m, n, k, spec, cfg):
                 rows.append(split(m, n, k, spec, cfg, inputs, out, ref, base))
         rows += gemm_parts(m, n, k, spec, inputs, base)
