@@ -85,8 +85,8 @@ _HALF = ("float16", "bfloat16")
 #: What :func:`analyze` says of a group each Hopper post-norm kernel takes.
 _HOPPER_NOTES = {"cluster": "runs as the Hopper wgmma post-norm kernel",
                  "split": "runs as the Hopper wgmma GEMM with its row statistics in the epilogue, then a norm kernel "
-                          "(where the post-norm kernel cannot: rows wider than a cluster holds, the sum returned too, or "
-                          "a chain without a bias)"}
+                          "(K of 4096 or more, where it measured faster, or where the post-norm kernel cannot: rows wider "
+                          "than a cluster holds, the sum returned too, or a chain without a bias)"}
 
 
 def _plan(mod: tvm.IRModule):
