@@ -17,9 +17,10 @@ Prediction (device us, both correct within the cluster kernel's error): gpt-4k ~
 output, 64 MB), under the cluster kernel's ~43 and torch.compile's ~43; the BERT shapes (N <=
 1024, one wave of tiles, K of 768 to 4096) within 10% of the cluster kernel either way (the
 norm kernel costs ~5 us there, about what the slower mainloop costs the cluster kernel);
-4096 x 1024 -> 8192 (only the split takes it) under torch.compile. ``WgmmaConfig.stage_tiles`` (the residual loaded into the staging buffers by TMA
-while the mainloop runs, not by each thread after it): 10-25% off the split's GEMM at
-wide-short-k, where the epilogue is most of a tile's time, within 3% at gpt-4k.
+4096 x 1024 -> 8192 (only the split takes it) under torch.compile. ``WgmmaConfig.stage_tiles``
+(the residual loaded into the staging buffers by TMA while the mainloop runs, not by each
+thread after it): 10-25% off the split's GEMM at wide-short-k, where the epilogue is most of a
+tile's time, within 3% at gpt-4k.
 Outcome on the H100 (session 17, ``session17-h100-2026-12-05/split-norm-4ec9681.json``): 1.28x
 faster than the cluster kernel at gpt-4k but 1.07x slower than torch.compile; see NOTES. Session
 18 adds the split's GEMM with less in its epilogue (``gemm_parts``) and each kernel's time.
@@ -34,7 +35,7 @@ import sys
 import torch
 import tvm
 
-from wgmma_gemm import build, measure_postnorm, save, suite_cases, timed  # the same directory: sys.path[0] when run as a script
+from wgmma_gemm import build, error_text, measure_postnorm, save, suite_cases, timed  # the same directory: sys.path[0] when run as a script
 
 from tvm_comfuse.schedule import split_norm as sn, wgmma_elementwise as we, wgmma_postnorm as wp
 from tvm_comfuse.schedule.wgmma_elementwise import Elementwise, wgmma_elementwise
@@ -42,16 +43,16 @@ from tvm_comfuse.schedule.wgmma_mainloop import WgmmaConfig
 
 #: the post-norm suite (fp16 LayerNorm), then rows wider than a cluster holds
 SHAPES = [(8192, 4096, 4096), (16384, 256, 1024), (4096, 4096, 1024), (4096, 3072, 768), (4096, 768, 768), (4096, 1024, 8192)]
-#: GEMM tiles besides the default: (bm, bn, stages, bk, persistent)
 #: ``--breakdown``: gpt-4k, BERT-large's FFN2 and attention output (issue 6's gap)
 QUICK_SHAPES = [(8192, 4096, 4096), (4096, 4096, 1024), (4096, 1024, 1024)]
+#: GEMM tiles besides the default: (bm, bn, stages, bk, persistent)
 VARIANTS = [(128, 256, 4, 32, True), (128, 256, 3, 64, False), (128, 192, 4, 64, False), (128, 128, 4, 64, True)]
 
 
 def split(m, n, k, spec, cfg, inputs, out, ref, base):
-    """The row of the split kernels with GEMM configuration ``cfg`` (None: the default): both built, run once
-    into NaN-filled outputs and checked against ``ref``, then timed together; a failure is
-    recorded, not raised."""
+    """The row of the split kernels with GEMM configuration ``cfg`` (None: the default): both
+    built, run once into NaN-filled outputs and checked against ``ref``, then timed together; a
+    failure is recorded, not raised."""
     row = dict(base, contender="split", config=dataclasses.asdict(cfg or sn.config(m, n, k, spec)), default=cfg is None)
     try:
         gemm, norm, parts = sn.kernels(m, n, k, spec, cfg)
@@ -72,10 +73,15 @@ def split(m, n, k, spec, cfg, inputs, out, ref, base):
         row["max_abs_err"] = float((out.float() - ref).abs().max())
         timed(row, run)
     except Exception as err:  # pylint: disable=broad-except
-        row["error"] = (str(err).strip().splitlines() or [type(err).__name__])[-1][:200]
+        row["error"] = error_text(err)
     text = f"err {row['max_abs_err']:.3g}, {row['kernel_us']:.1f} us device" if "us" in row else row["error"]
     print(f"  split {'default' if cfg is None else cfg}: {text}", flush=True)
     return row
+
+
+def other_walk(cfg: WgmmaConfig) -> WgmmaConfig:
+    """``cfg`` with the persistent walk it does not take: groups of row tiles, or whole columns."""
+    return dataclasses.replace(cfg, group_rows=we.GROUP_ROWS - cfg.group_rows)
 
 
 def gemm_parts(m, n, k, spec, inputs, base):
@@ -87,13 +93,11 @@ def gemm_parts(m, n, k, spec, inputs, base):
     (``stage_tiles``) or prefetched into L2 (``prefetch_tiles``). Timed alone, outputs not
     checked (the split rows are)."""
     cfg, full = sn.config(m, n, k, spec), sn.gemm_spec(spec)
-    plain = Elementwise(full.dtype, out_dtype=full.out_dtype)
-    cases = [("gemm_plain", plain, 0, cfg), ("gemm_chain", dataclasses.replace(full, stats=""), len(full.operands), cfg)]
+    plain, chain, ops = Elementwise(full.dtype, out_dtype=full.out_dtype), dataclasses.replace(full, stats=""), len(full.operands)
+    cases = [("gemm_plain", plain, 0, cfg), ("gemm_chain", chain, ops, cfg)]
     if cfg.persistent:
-        chain = dataclasses.replace(full, stats="")
-        cases += [("gemm_plain", plain, 0, dataclasses.replace(cfg, group_rows=we.GROUP_ROWS - cfg.group_rows)),  # the other walk
-                  ("gemm_chain", chain, len(full.operands), dataclasses.replace(cfg, stage_tiles=True)),
-                  ("gemm_chain", chain, len(full.operands), dataclasses.replace(cfg, prefetch_tiles=True))]
+        cases += [("gemm_plain", plain, 0, other_walk(cfg)), ("gemm_chain", chain, ops, dataclasses.replace(cfg, stage_tiles=True)),
+                  ("gemm_chain", chain, ops, dataclasses.replace(cfg, prefetch_tiles=True))]
     rows = []
     for name, gspec, ops, c in cases:
         row = dict(base, contender=name, config=dataclasses.asdict(c))
@@ -103,7 +107,7 @@ def gemm_parts(m, n, k, spec, inputs, base):
             y = tvm.runtime.from_dlpack(torch.empty(m, n, device="cuda", dtype=getattr(torch, gspec.out_dtype)))
             timed(row, lambda: fn(x, w, *rest, y))
         except Exception as err:  # pylint: disable=broad-except
-            row["error"] = (str(err).strip().splitlines() or [type(err).__name__])[-1][:200]
+            row["error"] = error_text(err)
         print(f"  {name} {c}: {row.get('kernel_us', row.get('error'))}", flush=True)
         rows.append(row)
     return rows
@@ -124,8 +128,7 @@ def main(quick: bool):
         if not quick and not sn.problems(m, n, k, spec, staged):
             rows.append(split(m, n, k, spec, staged, inputs, out, ref, base))
         default = sn.config(m, n, k, spec)  # persistent: the other walk too, and the residual prefetched into L2
-        looped = [dataclasses.replace(default, group_rows=we.GROUP_ROWS - default.group_rows),
-                  dataclasses.replace(default, prefetch_tiles=True)] if default.persistent else []
+        looped = [other_walk(default), dataclasses.replace(default, prefetch_tiles=True)] if default.persistent else []
         for cfg in [None] + looped + ([] if quick else [WgmmaConfig(bm, bn, s, bk, persistent=p) for bm, bn, s, bk, p in VARIANTS]):
             if cfg is None or not sn.problems(m, n, k, spec, cfg):
                 rows.append(split(m, n, k, spec, cfg, inputs, out, ref, base))

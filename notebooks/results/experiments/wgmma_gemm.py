@@ -61,8 +61,13 @@ def measure(row: dict, make, inputs: list, out, ref) -> dict:
         row["max_abs_err"] = float((out.float() - ref).abs().max())
         timed(row, lambda: kernel(*args))
     except Exception as err:  # pylint: disable=broad-except
-        row["error"] = (str(err).strip().splitlines() or [type(err).__name__])[-1][:200]
+        row["error"] = error_text(err)
     return row
+
+
+def error_text(err: Exception) -> str:
+    """What a row records of a failed build or run: the error's last line, at most 200 characters."""
+    return (str(err).strip().splitlines() or [type(err).__name__])[-1][:200]
 
 
 def measure_postnorm(base: dict, inputs: list, ref, m, n, k, spec, name: str, make, **fields) -> dict:
