@@ -156,6 +156,25 @@ def test_offloaded_bert_layer_keeps_both_outputs_of_the_attention_block():
     assert all(np.abs(s - c).max() <= 1e-3 for s, c in zip(got[True], got[False]))
 
 
+def test_half_bert_layer_widens_its_last_norm_once_and_both_post_norms_are_taken():
+    """A BERT layer imported all fp16 (``half``: inputs and weights too, what PyTorch runs after
+    ``module.half()``) returns its last LayerNorm widened to float32. The group computes the
+    norm in float32, and its cast back to fp16 is widened again: the pair is dropped, so the
+    group returns the float32 norm (session 19: with the pair the matcher declined it, and
+    BERT-large's last FFN2 fell back to the mma.sync rule). Both post-norms are taken, the
+    last writing float32, and the offloaded layer computes what the grouped one does."""
+    mod, _params, _module, _example = wl.bert_encoder(layers=1, hidden=256, heads=4, batch=2, seq=32, dtype="float16", half=True)
+    arrays = _random(mod["main"].params)
+    grouped, groups = _groups(mod, "llvm")
+    found = [m for m in map(match_postnorm, groups) if m]  # (on llvm the attention scores' softmax is a group too)
+    assert sorted(m[0].out_dtype for m in found) == ["float16", "float32"]
+    calls = []
+    got = _run_llvm(OffloadHopperPostNorm("llvm", build=_numpy_kernels(calls))(grouped), arrays)
+    want, vanilla = _run_llvm(grouped, arrays), _run_llvm(mod, arrays)
+    assert len(set(calls)) == 2
+    assert np.abs(got[0] - want[0]).max() <= 2e-2 and np.abs(want[0] - vanilla[0]).max() <= 0.1
+
+
 @pytest.mark.parametrize("kw", [dict(act="relu"), dict(out_act="relu"), dict(act="relu", residual_out=True)])
 def test_chains_the_kernel_cannot_express_are_left_to_the_rule(kw):
     """An activation before the residual, or an op after the norm: the matcher declines, so the

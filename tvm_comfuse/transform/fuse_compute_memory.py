@@ -65,12 +65,27 @@ def _group_pattern(group, var2val):
 
 @mutator
 class _WidenHalfPrecision(PyExprMutator):  # pylint: disable=abstract-method
-    """Half-precision GEMMs accumulate, and normalisations compute, in float32; cast back."""
+    """Half-precision GEMMs accumulate, and normalisations compute, in float32; cast back.
+
+    A norm's cast back that the group only widens to float32 again (the last LayerNorm of a
+    model imported in fp16, whose function returns float32) is dropped: the group returns the
+    float32 norm, one rounding to half fewer, and the post-norm kernels, which write their
+    norm in one dtype, take the group (the matcher declined the cast pair)."""
+
+    def __init__(self):
+        super().__init__()
+        self.narrowed = []  # (cast back to half, the float32 value it casts)
+        self.dropped = False
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:  # pylint: disable=arguments-renamed
         call = super().visit_call_(call)
         dtype = str(call.ty.dtype) if isinstance(call.ty, relax.TensorType) else ""
         name = ops.op_name(call)
+        if name == "relax.astype" and dtype == "float32" and isinstance(call.args[0], relax.Var):
+            value = self.lookup_binding(call.args[0])
+            wide = next((w for cast, w in self.narrowed if value is not None and value.same_as(cast)), None)
+            self.dropped |= wide is not None
+            return call if wide is None else wide
         if dtype not in _HALF or not (name == ops.GEMM or name in ops.ROW_NORMS):
             return call
         if name == ops.GEMM:
@@ -78,7 +93,11 @@ class _WidenHalfPrecision(PyExprMutator):  # pylint: disable=abstract-method
         else:
             args = [self.builder_.emit(relax.op.astype(a, "float32")) for a in call.args]
             wide = relax.Call(call.op, args, call.attrs)
-        return relax.op.astype(self.builder_.emit(wide), dtype)
+        wide = self.builder_.emit(wide)
+        cast = relax.op.astype(wide, dtype)
+        if name in ops.ROW_NORMS:  # (a GEMM's rounding stays: the chain after it is written for it)
+            self.narrowed.append((cast, wide))
+        return cast
 
 
 _HALF = ("float16", "bfloat16")
@@ -87,6 +106,11 @@ _HOPPER_NOTES = {"cluster": "runs as the Hopper wgmma post-norm kernel",
                  "split": "runs as the Hopper wgmma GEMM with its row statistics in the epilogue, then a norm kernel "
                           "(K of 4096 or more, where it measured faster, or where the post-norm kernel cannot: rows wider "
                           "than a cluster holds, the sum returned too, or a chain without a bias)"}
+
+
+def _canonical(func: relax.Function) -> relax.Function:
+    """``func`` with no binding of one variable to another (the output's, after a dropped cast back)."""
+    return relax.transform.CanonicalizeBindings()(tvm.IRModule({"f": func}))["f"]
 
 
 def _plan(mod: tvm.IRModule):
@@ -117,7 +141,11 @@ def _outline(mod: tvm.IRModule, groups: list, kinds) -> tuple:
         if composite is not None and str(composite).startswith(_PATTERN_PREFIX):
             kind, index = str(composite)[len(_PATTERN_PREFIX) :].rsplit(".", 1)
             names[int(index)] = gv.name_hint
-            mod[gv] = _WidenHalfPrecision().visit_expr(func).with_attr(KIND_ATTR, kind)
+            widen = _WidenHalfPrecision()
+            widened = widen.visit_expr(func)
+            if widen.dropped:  # the cast back is left unused, the output bound to the float32 variable
+                widened = _canonical(relax.analysis.remove_all_unused(widened))
+            mod[gv] = widened.with_attr(KIND_ATTR, kind)
     return mod, names
 
 

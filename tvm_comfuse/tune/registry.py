@@ -43,12 +43,12 @@ def _bert(name: str) -> Workload:
 
     def build(n_layers):
         mod, *_ = workloads.bert_encoder(
-            layers=n_layers or layers, hidden=hidden, heads=heads, batch=32, seq=128, dtype="float16"
+            layers=n_layers or layers, hidden=hidden, heads=heads, batch=32, seq=128, dtype="float16", half=True
         )
         return mod
 
     return Workload(
-        name, f"HuggingFace BERT encoder, fp16, batch 32 x sequence 128, hidden {hidden}, {layers} layers (--layers shrinks it)", build
+        name, f"HuggingFace BERT encoder, fp16 (inputs and weights too), batch 32 x sequence 128, hidden {hidden}, {layers} layers (--layers shrinks it)", build
     )
 
 
