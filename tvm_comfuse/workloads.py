@@ -308,15 +308,13 @@ def _imported(module, example, dtype: str, half: bool = False):
     return mod, [p.numpy().astype(dtype) if half else p.numpy() for p in params["main"]], module, example
 
 
-def prenorm_stack(layers: int = 2, batch: int = 2, seq: int = 64, width: int = 256, dtype: str = "float16", seed: int = 0,
-                  half: bool = False):
+def prenorm_stack(layers: int = 2, batch: int = 2, seq: int = 64, width: int = 256, dtype: str = "float16", seed: int = 0):
     """The residual stream of a pre-norm transformer as LLaMA-style PyTorch models write it, its
     sublayers reduced to their output projections: ``n = RMSNorm(x); h = x`` then, per layer,
     ``h = h + proj(n); n = RMSNorm(h)``; returns ``n`` (``torch.nn.RMSNorm``, bias-less
     ``nn.Linear``, random weights), exported and imported as :func:`bert_encoder` is. Every
     projection but the last feeds a group that keeps the stream ``h`` beside its norm, which
-    arrives written out as arithmetic. Returns ``(mod, params, torch_module, example_input)``;
-    ``half`` as :func:`bert_encoder`'s."""
+    arrives written out as arithmetic. Returns ``(mod, params, torch_module, example_input)``."""
     import torch  # pylint: disable=import-outside-toplevel
 
     torch.manual_seed(seed)
@@ -334,7 +332,7 @@ def prenorm_stack(layers: int = 2, batch: int = 2, seq: int = 64, width: int = 2
                 n = norm(h)
             return n
 
-    return _imported(Stack().eval(), torch.randn(batch, seq, width), dtype, half)
+    return _imported(Stack().eval(), torch.randn(batch, seq, width), dtype)
 
 
 def mlp_encoder(batch: int = 2, seq: int = 100, width: int = 256, intermediate: int = 128, act: str = "gelu",
