@@ -169,19 +169,36 @@ def _assert_correct(func, scheduled, M, K, N):
     assert not bad, "\n".join(bad)
 
 
-def _bert_on_gpu():
-    """``(mod, its GPU arguments, the PyTorch module's output)``: a small fp16 BERT encoder."""
+def _bert_on_gpu(**kw):
+    """``(mod, its GPU arguments, the PyTorch module's output)``: a small fp16 BERT encoder
+    (``kw`` to :func:`workloads.bert_encoder`: ``half`` feeds it fp16 hidden states)."""
     pytest.importorskip("transformers")
-    mod, params, module, example = wl.bert_encoder(layers=2, hidden=256, heads=4, batch=4, seq=64, dtype="float16")
+    mod, params, module, example = wl.bert_encoder(layers=2, hidden=256, heads=4, batch=4, seq=64, dtype="float16", **kw)
     x = torch.randn_like(example)
     with torch.no_grad():
         ref = module(x).cuda()
-    return mod, [x.cuda()] + [torch.from_numpy(p).cuda() for p in params], ref
+    return mod, [(x.half() if kw.get("half") else x).cuda()] + [torch.from_numpy(p).cuda() for p in params], ref
 
 
 def test_bert_encoder_fp16_on_gpu():
     mod, args, ref = _bert_on_gpu()
     (out,), _ = _run_on_gpu(mod, args)
+    assert (out - ref).abs().max().item() <= 5e-2
+
+
+@pytest.mark.parametrize("intermediate", [None, 4096])
+def test_gpu_half_bert_encoder_runs_every_post_norm_on_a_wgmma_kernel(intermediate):
+    """BERT imported all fp16 (``half``: what ``comfuse bench`` compiles since session 19) on the
+    default sm_90 pipeline: every post-norm runs on a wgmma kernel (the cluster kernel, or split
+    where K is 4096), the last one writing float32 once its cast pair is dropped, and the output
+    matches the float32 PyTorch module."""
+    import tvm  # pylint: disable=import-outside-toplevel
+
+    _need_sm90(tvm)
+    mod, args, ref = _bert_on_gpu(half=True, intermediate=intermediate)
+    (out,), kernels = _run_on_gpu(mod, args, hopper=None)
+    assert not [k for k in kernels if "layer_norm" in k and not k.startswith("comfuse_wgmma_")], kernels
+    assert any(k.endswith("_gemm_kernel") for k in kernels) == (intermediate == 4096), kernels
     assert (out - ref).abs().max().item() <= 5e-2
 
 
