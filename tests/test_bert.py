@@ -43,6 +43,26 @@ def test_compiled_encoder_matches_pytorch(bert):
     np.testing.assert_allclose(out, ref, atol=2e-5, rtol=1e-4)
 
 
+def test_half_encoder_matches_pytorch_as_closely_as_vanilla_tvm():
+    """Imported all fp16 (``half``: inputs and weights too, what ``comfuse bench`` compiles), the
+    encoder compiled by ComFuse on llvm matches the float32 PyTorch module within fp16's error
+    and no worse than vanilla TVM's (which accumulates its fp16 GEMMs in fp16), its last
+    LayerNorm widened to float32 once (the cast pair dropped)."""
+    mod, params, module, example = wl.bert_encoder(layers=LAYERS, hidden=48, heads=4, intermediate=80, batch=2, seq=13,
+                                                   dtype="float16", half=True)
+    assert {p.dtype for p in params} == {np.dtype("float16")} and set(rt.param_dtypes(mod)) == {"float16"}
+    x = torch.randn_like(example)
+    with torch.no_grad():
+        ref = module(x).numpy()
+    dev = tvm.cpu()
+    errors = {}
+    for comfuse in (True, False):
+        ex = rt.compile_module(mod, "llvm", comfuse=comfuse)
+        (out,) = rt.run(ex, rt.to_device([x.numpy()] + params, rt.param_dtypes(mod), dev), dev)
+        errors[comfuse] = np.abs(out - ref).max()
+    assert errors[True] <= 1e-2 and errors[True] <= errors[False] + 2e-3, errors  # (measured 0.0027, vanilla 0.0034)
+
+
 def test_groups_the_gpu_rule_cannot_tile_stay_with_vanilla_fusion():
     """On a GPU target, the attention-score group (a 4-D batched GEMM, reshaped, then softmax)
     has no configuration of the gemm_reduce rule: left fused, DLight scheduled it as one
