@@ -61,6 +61,8 @@ def test_half_encoder_matches_pytorch_as_closely_as_vanilla_tvm():
         (out,) = rt.run(ex, rt.to_device([x.numpy()] + params, rt.param_dtypes(mod), dev), dev)
         errors[comfuse] = np.abs(out - ref).max()
     assert errors[True] <= 1e-2 and errors[True] <= errors[False] + 2e-3, errors  # (measured 0.0027, vanilla 0.0034)
+    with pytest.raises(ValueError, match="pass dtype='float16'"):  # fp16 inputs and weights of a float32 graph
+        wl.bert_encoder(layers=1, hidden=48, heads=4, half=True)
 
 
 def test_groups_the_gpu_rule_cannot_tile_stay_with_vanilla_fusion():

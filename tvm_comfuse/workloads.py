@@ -293,15 +293,16 @@ def _imported(module, example, dtype: str, half: bool = False):
     import torch  # pylint: disable=import-outside-toplevel
     from tvm.relax.frontend.torch import from_exported_program  # pylint: disable=import-outside-toplevel
 
+    if half and dtype != "float16":
+        raise ValueError(f"half=True with dtype={dtype!r}: TVM's mixed-precision pass makes inputs and weights float16 only; "
+                         "pass dtype='float16'")
     with torch.no_grad():
         exported = torch.export.export(module, (example,))
     mod = from_exported_program(exported, keep_params_as_input=True)
     if dtype != "float32":
         # TVM 0.27's importer cannot take a half-precision addmm (it emits an fp32 matmul
         # next to an fp16 bias), so import in fp32 and let TVM's mixed-precision pass
-        # compute in ``dtype`` with fp32 accumulation; inputs and params stay fp32.
-        if half and dtype != "float16":
-            raise ValueError(f"half inputs and weights in {dtype}: TVM's mixed-precision pass converts them to float16 only")
+        # compute in ``dtype`` with fp32 accumulation; inputs and params stay fp32 unless ``half``.
         names = [p.name for p in mod["main"].params] if half else None
         mod = relax.transform.ToMixedPrecision(out_dtype=dtype, fp16_input_names=names)(mod)
     mod, params = relax.frontend.detach_params(mod)
