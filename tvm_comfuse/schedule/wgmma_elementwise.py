@@ -262,8 +262,10 @@ def tile_origin(cfg: WgmmaConfig, tiles_m: int, tiles_n: int, t, cw):
         tile_row, tile_col = t % tiles_m, t // tiles_m
     else:
         first = t // (group * tiles_n) * group
-        rows = tiles_m - first  # in the last group, those left
-        rows = (min(rows, group) if isinstance(rows, int) else T.min(rows, group)) if tiles_m % group else group
+        rows = group
+        if tiles_m % group:  # the last group has the rows left
+            left = tiles_m - first
+            rows = min(left, group) if isinstance(left, int) else T.min(left, group)
         at = t - first * tiles_n  # the tile's index in its group
         tile_row, tile_col = first + at % rows, at // rows
     return tile_row * cfg.bm + cw // cfg.wg_n * 64, tile_col * cfg.bn + cw % cfg.wg_n * cfg.wg_cols

@@ -124,10 +124,11 @@ def main(quick: bool):
         out = torch.empty(m, n, device="cuda", dtype=torch.float16)
         if not wp.problems(m, n, k, spec):
             rows.append(measure_postnorm(base, inputs, ref, m, n, k, spec, "default", lambda: wp.wgmma_postnorm(m, n, k, spec)))
-        staged = dataclasses.replace(sn.config(m, n, k, spec), stage_tiles=True)  # the residual loaded by TMA during the mainloop
+        default = sn.config(m, n, k, spec)
+        staged = dataclasses.replace(default, stage_tiles=True)  # the residual loaded by TMA during the mainloop
         if not quick and not sn.problems(m, n, k, spec, staged):
             rows.append(split(m, n, k, spec, staged, inputs, out, ref, base))
-        default = sn.config(m, n, k, spec)  # persistent: the other walk too, and the residual prefetched into L2
+        # persistent: the other walk too, and the residual prefetched into L2
         looped = [other_walk(default), dataclasses.replace(default, prefetch_tiles=True)] if default.persistent else []
         for cfg in [None] + looped + ([] if quick else [WgmmaConfig(bm, bn, s, bk, persistent=p) for bm, bn, s, bk, p in VARIANTS]):
             if cfg is None or not sn.problems(m, n, k, spec, cfg):
