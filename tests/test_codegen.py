@@ -375,15 +375,17 @@ def test_split_postnorm_kernels_write_row_statistics_from_the_staged_sum(m, n, d
     """A post-norm too wide for a cluster (or run split): the GEMM kernel stages the sum (bias,
     residual) for its TMA stores, reads it back for each row's statistics over the warpgroup's
     256 columns (quad shuffles; two passes for LayerNorm) and stores only those to global
-    memory, persistent where its tiles take more than a wave (the residual loaded by TMA or
-    prefetched into L2 as options); the norm kernel moves the row in 16-byte vectors, its
+    memory, persistent where its tiles take more than a wave, and then by default loading the
+    residual into the staging buffers by TMA while the mainloop runs; the norm kernel moves the row in 16-byte vectors, its
     statistics combined by each thread. Both compile for sm_90a without spills; the GEMM reads
     no accumulator before the last wgmma wait."""
     from tvm_comfuse.schedule import split_norm as sn, wgmma_mainloop as wm, wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
 
     spec = wp.PostNorm.suite(dtype, norm)
-    gemm, norm_func, parts = sn.kernels(m, n, 1024, spec)
-    assert parts == n // 256 and sn.config(m, n, 1024, spec).persistent == (m // 128 * n // 256 > 132)
+    cfg = sn.config(m, n, 1024, spec)
+    assert cfg.persistent == (m // 128 * n // 256 > 132) and cfg.stage_tiles == cfg.persistent
+    gemm, norm_func, parts = sn.kernels(m, n, 1024, spec, dataclasses.replace(cfg, stage_tiles=False))
+    assert parts == n // 256
     source = codegen.cuda_source(wm.build(gemm))
     body = codegen.compile_with_nvcc(source, "sm_90a", fmt="ptx").decode()
     body = body[body.index(".entry"):]
@@ -394,11 +396,10 @@ def test_split_postnorm_kernels_write_row_statistics_from_the_staged_sum(m, n, d
     assert codegen.ptxas_usage(source)["spill"] == 0
     if codegen.nvdisasm() is not None:
         assert codegen.wgmma_hazards(codegen.sass(codegen.compile_with_nvcc(source, "sm_90a"))) == []
-    # persistent: the residual loaded into the staging buffers by TMA while the mainloop runs,
-    # four more boxes a warpgroup's part, and a third of the global loads left (the bias's)
-    staged = dataclasses.replace(sn.config(m, n, 1024, spec), stage_tiles=True)
-    if staged.persistent:
-        source = codegen.cuda_source(wm.build(sn.kernels(m, n, 1024, spec, staged)[0]))
+    # persistent (the default): the residual loaded into the staging buffers by TMA while the
+    # mainloop runs, four more boxes a warpgroup's part, and a third of the global loads left (the bias's)
+    if cfg.persistent:
+        source = codegen.cuda_source(wm.build(sn.kernels(m, n, 1024, spec)[0]))
         ptx = codegen.compile_with_nvcc(source, "sm_90a", fmt="ptx").decode()
         staged_body = ptx[ptx.index(".entry"):]
         tma = "cp.async.bulk.tensor.2d.shared::cluster.global"
@@ -406,15 +407,6 @@ def test_split_postnorm_kernels_write_row_statistics_from_the_staged_sum(m, n, d
         assert codegen.ptxas_usage(source)["spill"] == 0
         if codegen.nvdisasm() is not None:
             assert codegen.wgmma_hazards(codegen.sass(codegen.compile_with_nvcc(source, "sm_90a"))) == []
-        # or prefetched into L2 by the producer as it starts each tile: one box of 64 rows x 64
-        # columns at a time, the tile's 2 x 4, the residual's per-thread loads kept
-        prefetched = dataclasses.replace(staged, stage_tiles=False, prefetch_tiles=True)
-        source = codegen.cuda_source(wm.build(sn.kernels(m, n, 1024, spec, prefetched)[0]))
-        ptx = codegen.compile_with_nvcc(source, "sm_90a", fmt="ptx").decode()
-        ahead = ptx[ptx.index(".entry"):]
-        assert ahead.count("cp.async.bulk.prefetch.tensor.2d.L2.global") == 8 and ahead.count("ld.global") == body.count("ld.global")
-        assert codegen.ptxas_usage(source)["spill"] == 0
-        assert sn.problems(m, n, 1024, spec, dataclasses.replace(prefetched, stage_tiles=True))  # one or the other
     source = codegen.cuda_source(wm.build(norm_func, tir_pipeline="default"))
     ptx = codegen.compile_with_nvcc(source, "sm_90a", fmt="ptx").decode()
     assert "ld.global.nc.v4.u32" in ptx and "st.global.v4.u32" in ptx

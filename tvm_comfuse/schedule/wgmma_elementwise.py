@@ -43,7 +43,7 @@ from tvm.script import tirx as T
 from ..errors import ComFuseError
 from .chain import ACTIVATIONS, chain_value, np_chain, np_dtype
 from .staged_store import STAGE_BARRIER, box_cols, buffer_shape, drain, size, staged_at, staged_bytes, staged_store
-from .wgmma_mainloop import TMA_LOAD, TMA_PREFETCH, Ring, WgmmaConfig, box_rows, consumer_sync, fragment, mainloop, roles, tensor_map
+from .wgmma_mainloop import TMA_LOAD, Ring, WgmmaConfig, box_rows, consumer_sync, fragment, mainloop, roles, tensor_map
 from .wgmma_postnorm import SM_COUNT
 
 #: Row statistics the kernel can write beside its output (:attr:`Elementwise.stats`).
@@ -173,10 +173,6 @@ def problems(m: int, n: int, k: int, spec: Elementwise, cfg: WgmmaConfig | None 
     if spec.stats and not stages_output(spec, cfg):
         found.append(f"row statistics with {cfg.bm} x {cfg.bn} tiles whose output is not staged (they are read back from "
                      "the staging buffers: a row-major output, one column warpgroup, whole 128-byte boxes)")
-    if cfg.prefetch_tiles and (not persistent(cfg) or cfg.stage_tiles or staged_tile(spec) is None):
-        found.append(f"prefetch_tiles with {'stage_tiles' if cfg.stage_tiles else 'persistent' if persistent(cfg) else 'one tile a CTA'} "
-                     f"and tile operands {spec.operands} (persistent CTAs not staging the tile operand, and a tile operand in the "
-                     f"output's dtype {spec.out_dtype})")
     if cfg.group_rows and not persistent(cfg):
         found.append(f"group_rows = {cfg.group_rows} with one tile a CTA (a persistent walk's groups)")
     if persistent(cfg) and (cfg.producer_warps or cfg.ctas_per_sm != 1):
@@ -193,7 +189,13 @@ def default_config(m: int, n: int, k: int, spec: Elementwise = Elementwise()) ->
     that took FFN1 from 74.9 to 71.8 us at BERT-large and from 48.0 to 44.9 at BERT-base, and
     the plain 4096^3 GEMM from 214.1 to 210.7, while at one wave (the projections) there is no
     next tile to load ahead and 128 x 192 tiles without persistence stayed fastest. Persistent
-    walks go in groups of row tiles where :func:`group_rows` says."""
+    walks go in groups of row tiles where :func:`group_rows` says, and load the tile operand (the
+    residual) by TMA into the staging buffers while the mainloop runs (``stage_tiles``) where
+    there is one: on the H200 (session 19, ``experiments/split_norm.py --breakdown``) that took the
+    bias + residual GEMM from 453.1 to 437.8 us at 8192 x 4096 -> 4096 (the plain GEMM: 421.0),
+    139.9 to 131.9 at 4096 x 1024 -> 8192 and 35.5 to 31.9 at 16384 x 256 -> 1024: per-thread
+    loads in the accumulator's layout filled the load/store queue (``lg_throttle`` 5.0 of 16.4
+    cycles an instruction, gone when staged)."""
     best = None
     for (bm, bn), rate in TILES.items():
         for bk in (64, 32):
@@ -215,7 +217,8 @@ def default_config(m: int, n: int, k: int, spec: Elementwise = Elementwise()) ->
             for stages in (4, 3):
                 looped = dataclasses.replace(cfg, stages=stages, bk=bk, persistent=True)
                 if not looped.problems(_padded(m, cfg.bm), n, k, spec.dtype) and stages_output(spec, looped):
-                    return dataclasses.replace(looped, group_rows=group_rows(m, k, spec, looped))
+                    return dataclasses.replace(looped, group_rows=group_rows(m, k, spec, looped),
+                                               stage_tiles=staged_tile(spec) is not None)
     return cfg
 
 
@@ -366,8 +369,8 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
                            "pass stage=None")
     if staged:
         maps["out"] = tensor_map(m, n, 64, box_cols(spec.out_dtype), spec.out_dtype)
-    # loaded into the staging buffers, or prefetched into L2 (problems checked it can be)
-    tile_in = staged_tile(spec) if cfg.stage_tiles or cfg.prefetch_tiles else None
+    # loaded into the staging buffers (problems checked it can be)
+    tile_in = staged_tile(spec) if cfg.stage_tiles else None
     if tile_in is not None:
         maps[f"p{tile_in}"] = tensor_map(m, n, 64, box_cols(spec.out_dtype), spec.out_dtype)
     sync = consumer_sync(cfg)
@@ -444,12 +447,6 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
         lambda P, v, row, col, here: epilogue_value(spec, P, v, row, col, staged={tile_in: here})), buffers=1)
 
     @T.macro
-    def prefetch_tile(tile_map, row0, col0):  # the tile operand's bm x bn tile at (row0, col0), into L2
-        for r in T.unroll(bm // 64):
-            for b in T.unroll(bn // box):
-                T.ptx[TMA_PREFETCH](T.address_of(tile_map), col0 + b * box, row0 + r * 64)
-
-    @T.macro
     def load_tile(tile_map, O, rfull, tw, slot, row0, col0):  # warpgroup `slot`'s part of the tile operand, into its buffer
         T.ptx["bar.sync"](T.uint32(STAGE_BARRIER) + T.cast(slot, "uint32"), 128)  # no thread still reads the buffer
         if tw == 0:
@@ -502,8 +499,6 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
             if tw == 0:
                 for it in T.serial(iters):
                     row, col = T.meta_var(tile_origin(cfg, tiles_m, tiles_n, bx + it * grid, 0))
-                    if cfg.prefetch_tiles:  # read by the tile's epilogue, a mainloop from now
-                        prefetch_tile(tile_map, row, col)
                     produce(x_map, w_map, S, S, full, empty, row, col, it * kt)
         else:
             consumer()

@@ -51,8 +51,6 @@ _PTX_TYPE = {"float16": "f16", "bfloat16": "bf16"}
 #: in a CUtensorMap (CU_TENSOR_MAP_SWIZZLE_64B = 2, _128B = 3).
 _SWIZZLE = {32: 2, 64: 3}
 TMA_LOAD = "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
-#: A 2-D TMA box into L2 only (no shared memory, no barrier).
-TMA_PREFETCH = "cp.async.bulk.prefetch.tensor.2d.L2.global"
 #: Registers the producer warpgroup keeps (setmaxnreg.dec): it only computes addresses.
 PRODUCER_REGS = 40
 #: Named barrier of the consumer warpgroups (0 is the CTA's ``__syncthreads``).
@@ -108,11 +106,6 @@ class WgmmaConfig:
     #: wave; at 8192 x 4096 -> 4096 that is x's 64 MB, more than L2 holds, once a wave
     #: (:mod:`.wgmma_elementwise`; the post-norm kernels walk rows their own way).
     group_rows: int = 0
-    #: A persistent GEMM + elementwise kernel's producer prefetches each tile's tile operand (the
-    #: residual) into L2 by TMA as it starts loading the tile's K steps, so the epilogue's
-    #: per-thread loads hit L2, not HBM, at no register or shared-memory cost (session 18: the
-    #: chain cost 7-84% over the plain GEMM on the H100, most of it not the loads' instructions).
-    prefetch_tiles: bool = False
 
     @property
     def slot_readers(self) -> int:

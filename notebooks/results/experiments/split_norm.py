@@ -87,17 +87,16 @@ def other_walk(cfg: WgmmaConfig) -> WgmmaConfig:
 def gemm_parts(m, n, k, spec, inputs, base):
     """Rows of the default split's GEMM kernel with less in its epilogue, to say where its time
     goes: ``gemm_plain`` (no chain, no statistics: the mainloop and the store), ``gemm_chain``
-    (the bias and residual, no statistics); where its CTAs are persistent, ``gemm_plain`` again
-    with the other tile walk (``WgmmaConfig.group_rows``: groups of 16 row tiles, or whole
-    columns where the default groups) and ``gemm_chain`` with the residual loaded by TMA
-    (``stage_tiles``) or prefetched into L2 (``prefetch_tiles``). Timed alone, outputs not
+    (the bias and residual loaded by each thread, no statistics); where its CTAs are persistent,
+    ``gemm_plain`` again with the other tile walk (``WgmmaConfig.group_rows``: groups of 16 row
+    tiles, or whole columns where the default groups) and ``gemm_chain`` with the residual loaded
+    by TMA (``stage_tiles``, the persistent default since session 20). Timed alone, outputs not
     checked (the split rows are)."""
-    cfg, full = sn.config(m, n, k, spec), sn.gemm_spec(spec)
+    cfg, full = dataclasses.replace(sn.config(m, n, k, spec), stage_tiles=False), sn.gemm_spec(spec)
     plain, chain, ops = Elementwise(full.dtype, out_dtype=full.out_dtype), dataclasses.replace(full, stats=""), len(full.operands)
     cases = [("gemm_plain", plain, 0, cfg), ("gemm_chain", chain, ops, cfg)]
     if cfg.persistent:
-        cases += [("gemm_plain", plain, 0, other_walk(cfg)), ("gemm_chain", chain, ops, dataclasses.replace(cfg, stage_tiles=True)),
-                  ("gemm_chain", chain, ops, dataclasses.replace(cfg, prefetch_tiles=True))]
+        cases += [("gemm_plain", plain, 0, other_walk(cfg)), ("gemm_chain", chain, ops, dataclasses.replace(cfg, stage_tiles=True))]
     rows = []
     for name, gspec, ops, c in cases:
         row = dict(base, contender=name, config=dataclasses.asdict(c))
@@ -125,11 +124,8 @@ def main(quick: bool):
         if not wp.problems(m, n, k, spec):
             rows.append(measure_postnorm(base, inputs, ref, m, n, k, spec, "default", lambda: wp.wgmma_postnorm(m, n, k, spec)))
         default = sn.config(m, n, k, spec)
-        staged = dataclasses.replace(default, stage_tiles=True)  # the residual loaded by TMA during the mainloop
-        if not quick and not sn.problems(m, n, k, spec, staged):
-            rows.append(split(m, n, k, spec, staged, inputs, out, ref, base))
-        # persistent: the other walk too, and the residual prefetched into L2
-        looped = [other_walk(default), dataclasses.replace(default, prefetch_tiles=True)] if default.persistent else []
+        # persistent: the other walk too, and the residual loaded by each thread (before session 20's default)
+        looped = [other_walk(default), dataclasses.replace(default, stage_tiles=False)] if default.persistent else []
         for cfg in [None] + looped + ([] if quick else [WgmmaConfig(bm, bn, s, bk, persistent=p) for bm, bn, s, bk, p in VARIANTS]):
             if cfg is None or not sn.problems(m, n, k, spec, cfg):
                 rows.append(split(m, n, k, spec, cfg, inputs, out, ref, base))
