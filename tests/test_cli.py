@@ -43,3 +43,22 @@ def test_bench_without_a_gpu_says_so_and_its_table_marks_absent_contenders(capsy
             bench.Row("bert-base-attnout", 4096, 768, 768, "layer_norm", "float16", "comfuse", kernel_us=13.0)]
     text = bench.table(rows)
     assert "attention-b32h8-s128" in text and "10.0" in text and text.splitlines()[2].split()[-3] == "-"  # its sdpa cell
+
+
+def test_results_record_the_gpu_driver_or_none(monkeypatch, tmp_path):
+    """Results files name the driver beside the GPU (kernel times move with it): nvidia-smi's
+    answer where there is one, None where it is missing or prints nothing."""
+    import os  # pylint: disable=import-outside-toplevel
+
+    from tvm_comfuse import bench  # pylint: disable=import-outside-toplevel
+
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\necho 580.159.04\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    env = bench.environment()
+    assert env["driver"] == "580.159.04" and {"gpu", "torch", "tvm", "commit", "date"} <= set(env)
+    fake.write_text("#!/bin/sh\nexit 9\n")
+    assert bench.gpu_driver() is None
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
+    assert bench.gpu_driver() is None

@@ -230,15 +230,19 @@ def test_long_k_post_norms_run_split_and_walk_row_groups_where_x_outgrows_l2():
     """Session 18's defaults, from the H100 breakdown: the cluster kernel's groups with K >=
     SPLIT_MIN_K run split (gpt-4k, BERT-large's FFN2), shorter K stays with the cluster kernel;
     the split GEMM walks row tiles in groups where x takes more than half of L2 beside the
-    residual (gpt-4k's 64 MB), not where x fits or no tile operand streams beside it."""
+    residual (gpt-4k's 64 MB), not where x fits or no tile operand streams beside it. Session
+    20's: persistent CTAs load a streamed residual by TMA into their staging buffers
+    (``stage_tiles``); one tile a CTA (BERT-large's FFN2, one wave) and the plain GEMM do not."""
     spec = wp.PostNorm.suite("float16")
     for (m, k, n), kernel in [((8192, 4096, 4096), "split"), ((4096, 4096, 1024), "split"), ((4096, 1024, 1024), "cluster"),
                               ((16384, 256, 1024), "cluster"), ((4096, 3072, 768), "cluster")]:
         assert postnorm_kernel(m, n, k, spec) == (kernel, []) and (kernel == "split") == (k >= SPLIT_MIN_K)
     assert sn.config(8192, 4096, 4096, spec).group_rows == we.GROUP_ROWS
     assert sn.config(4096, 8192, 1024, spec).group_rows == 0  # x is 8 MB
+    assert sn.config(8192, 4096, 4096, spec).stage_tiles and sn.config(4096, 8192, 1024, spec).stage_tiles
+    assert not sn.config(4096, 1024, 4096, spec).persistent and not sn.config(4096, 1024, 4096, spec).stage_tiles
     plain = we.default_config(8192, 4096, 4096, we.Elementwise())
-    assert plain.persistent and plain.group_rows == 0  # no residual streams beside x
+    assert plain.persistent and plain.group_rows == 0 and not plain.stage_tiles  # no residual streams beside x
 
 
 @pytest.mark.parametrize("dtype, norm, batch", [("float16", "layer_norm", None), ("bfloat16", "rms_norm", 2)])

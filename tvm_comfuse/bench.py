@@ -385,9 +385,20 @@ def run_model(name: str, batch: int, seq: int, which=CONTENDERS, log=print) -> l
     return rows
 
 
+def gpu_driver() -> str | None:
+    """The NVIDIA driver's version (``nvidia-smi``), or None without one: kernel times move with
+    it, so results and notebooks record it beside the GPU."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, check=False, timeout=30).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out[0] if out else None
+
+
 def environment() -> dict:
-    """GPU, versions, commit and date for the results file. ``COMFUSE_COMMIT`` wins over git:
-    a copied working tree (the GPU machine's) can carry stale git metadata."""
+    """GPU, driver, versions, commit and date for the results file. ``COMFUSE_COMMIT`` wins over
+    git: a copied working tree (the GPU machine's) can carry stale git metadata."""
     import torch  # pylint: disable=import-outside-toplevel
     import tvm  # pylint: disable=import-outside-toplevel
 
@@ -400,6 +411,7 @@ def environment() -> dict:
         commit = "unknown"
     return {
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none (CPU)",
+        "driver": gpu_driver(),
         "torch": torch.__version__,
         "tvm": tvm.__version__,
         "python": platform.python_version(),
