@@ -376,8 +376,8 @@ def test_split_postnorm_kernels_write_row_statistics_from_the_staged_sum(m, n, d
     residual) for its TMA stores, reads it back for each row's statistics over the warpgroup's
     256 columns (quad shuffles; two passes for LayerNorm) and stores only those to global
     memory, persistent where its tiles take more than a wave, and then by default loading the
-    residual into the staging buffers by TMA while the mainloop runs; the norm kernel moves the row in 16-byte vectors, its
-    statistics combined by each thread. Both compile for sm_90a without spills; the GEMM reads
+    residual into the staging buffers by TMA while the mainloop runs; the norm kernel moves the
+    row in 16-byte vectors, its statistics combined by each thread. Both compile for sm_90a without spills; the GEMM reads
     no accumulator before the last wgmma wait."""
     from tvm_comfuse.schedule import split_norm as sn, wgmma_mainloop as wm, wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
 

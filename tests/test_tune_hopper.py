@@ -1,6 +1,8 @@
 """The Hopper post-norm kernel as a tuning task (CPU): its space, its workload, candidates that
 build with the workload's signature, and a compile that reads the tuned configuration back."""
 
+import dataclasses
+import json
 import logging
 import os
 
@@ -74,13 +76,14 @@ def test_candidates_are_the_space_and_build_for_sm90a():
 
 
 def _logs(path, task, picks):
-    """A log directory with a record per ``(config, seconds)`` of ``picks`` for ``task``."""
+    """A log directory with a record per ``(config, seconds)`` of ``picks`` for ``task`` (a config
+    or its annotation's text)."""
     target = tvm.target.Target(H100)
     db = ms.database.JSONDatabase(str(path / WORKLOAD_FILE), str(path / RECORD_FILE), allow_missing=True)
     workload = db.commit_workload(task.mod)
     for cfg, secs in picks:
         sch = tvm.s_tir.Schedule(task.mod)
-        sch.annotate(sch.get_sblock("root"), hopper.CONFIG_ANN, hopper.config_json(cfg))
+        sch.annotate(sch.get_sblock("root"), hopper.CONFIG_ANN, cfg if isinstance(cfg, str) else hopper.config_json(cfg))
         db.commit_tuning_record(ms.database.TuningRecord(sch.trace, workload, [secs], target, ArgInfo.from_prim_func(task.mod["main"])))
     return str(path)
 
@@ -118,6 +121,24 @@ def test_an_unusable_record_falls_back_to_the_default(tmp_path, monkeypatch, cap
     with caplog.at_level(logging.WARNING, logger="tvm_comfuse"):
         assert _spied_configs(monkeypatch, mod, logs) == [None]
     assert "unusable" in caplog.text and "shared memory" in caplog.text
+
+
+def test_records_of_a_removed_knob_apply_where_it_was_off(tmp_path, monkeypatch, caplog):
+    """Records tuned before ``prefetch_tiles`` was removed (session 20) name it in their
+    configuration: where it was off they are today's kernel and apply; where it was on the
+    kernel is gone, and the default is used with a warning, not a crash."""
+    mod = workloads.post_norm(4096, 768, 768, "float16", "layer_norm", linear=True)
+    task = _task()
+    desc = hopper.description_of(task.mod)
+    pick = configs(*desc.mnk, desc.spec)[7]
+    for prefetch, expect in ((False, [pick]), (True, [None])):
+        old = json.dumps({**dataclasses.asdict(pick), "prefetch_tiles": prefetch}, sort_keys=True)  # as session 19 wrote it
+        (tmp_path / str(prefetch)).mkdir()
+        logs = _logs(tmp_path / str(prefetch), task, [(old, 1e-6)])
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="tvm_comfuse"):
+            assert _spied_configs(monkeypatch, mod, logs) == expect
+        assert ("no longer builds" in caplog.text) == prefetch
 
 
 def _two_layers(M=512, N=256, dtype="float16"):

@@ -286,9 +286,19 @@ def config_json(cfg: WgmmaConfig) -> str:
     return json.dumps(dataclasses.asdict(cfg), sort_keys=True)
 
 
+#: Configuration fields a later version removed, with the value at which the kernel is the one it
+#: builds now (``prefetch_tiles``, session 20: refuted on the H200): records tuned before still
+#: apply where they hold that value.
+REMOVED_FIELDS = {"prefetch_tiles": False}
+
+
 def config_from_json(text, family: str = "postnorm"):
-    """A configuration of ``family``'s kernel from its annotation."""
-    return FAMILIES[family].config(**json.loads(str(text)))
+    """A configuration of ``family``'s kernel from its annotation, or None where it sets a removed
+    field (:data:`REMOVED_FIELDS`) to another value: a kernel this version no longer builds."""
+    fields = json.loads(str(text))
+    if any(fields.get(name, kept) != kept for name, kept in REMOVED_FIELDS.items()):
+        return None
+    return FAMILIES[family].config(**{k: v for k, v in fields.items() if k not in REMOVED_FIELDS})
 
 
 def space(_target: tvm.target.Target, _symbolic=None) -> ms.space_generator.SpaceGenerator:
@@ -307,7 +317,8 @@ def space(_target: tvm.target.Target, _symbolic=None) -> ms.space_generator.Spac
 
 
 def config_of(trace, family: str = "postnorm"):
-    """The configuration a candidate's (or record's) trace of ``family``'s kernel annotates, or None."""
+    """The configuration a candidate's (or record's) trace of ``family``'s kernel annotates, or None
+    (none annotated, or one this version no longer builds)."""
     for inst in trace.insts:
         if inst.kind.name == "Annotate" and list(inst.attrs) == [CONFIG_ANN]:
             return config_from_json(inst.inputs[1], family)
@@ -333,7 +344,7 @@ def tuned_config(db: ms.Database, mod: tvm.IRModule) -> WgmmaConfig | None:
         return None
     desc = description_of(mod)
     cfg = config_of(records[0].trace, desc.family)
-    why = ["no configuration annotated"] if cfg is None else desc.problems(cfg)
+    why = ["no configuration annotated, or one this version no longer builds"] if cfg is None else desc.problems(cfg)
     if why:
         LOG.warning("ComFuse: a tuning record for the %s kernel at M, N, K = %s is unusable (%s); using the default",
                     desc.kind, desc.mnk, "; ".join(why))
