@@ -444,8 +444,8 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
     grid = min(tiles, SM_COUNT)
     ring_elems = cfg.stages * (bm + bn) * cfg.bk
     # a buffer of its own, written once a tile (in place over its staged tile operand, if any)
-    stage_in, box, tile_bytes = cfg.stage_tiles, box_cols(spec.out_dtype), 64 * cfg.wg_cols * size(spec.out_dtype)
-    loop_store = staged_store(cfg.wg_cols, spec.out_dtype, staged_value if not stage_in else (
+    box, tile_bytes = box_cols(spec.out_dtype), 64 * cfg.wg_cols * size(spec.out_dtype)
+    loop_store = staged_store(cfg.wg_cols, spec.out_dtype, staged_value if not cfg.stage_tiles else (
         lambda P, v, row, col, here: epilogue_value(spec, P, v, row, col, staged={tile_in: here})), buffers=1)
 
     @T.macro
@@ -489,7 +489,7 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
             if wg * 128 + tw == 0:  # before the ring's init: its fence and CTA barrier cover these
                 for j in T.unroll(2):
                     T.ptx.mbarrier.init.shared.b64(turn.ptr_to([j]), T.uint32(1))
-        if stage_in:
+        if cfg.stage_tiles:
             rfull = T.alloc_shared([cfg.consumers], "uint64", scope="shared", align=8)  # [warpgroup]: its tile operand landed
             if wg * 128 + tw == 0:  # before the ring's init: its fence and CTA barrier cover these
                 for c in T.unroll(cfg.consumers):
@@ -509,14 +509,14 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
                 if cfg.pingpong:  # the groups' mainloops alternate: wait until the other's previous tile has left the ring
                     if j + wg - 2 >= 0:
                         T.cuda.mbarrier_wait(turn.ptr_to([wg - 1]), (j + wg - 2) % 2)
-                if stage_in:  # its part of the tile operand loads while the mainloop runs
+                if cfg.stage_tiles:  # its part of the tile operand loads while the mainloop runs
                     row0, col0 = T.meta_var(tile_origin(cfg, tiles_m, tiles_n, bx + (first + step * j) * grid, cw))
                     load_tile(tile_map, O, rfull, tw, wg - 1, row0, col0)
                 consume(S, S, full, empty, acc, da, db, cw, tw, (first + step * j) * kt)
                 if cfg.pingpong:
                     if tw == 0:
                         T.ptx.mbarrier.arrive.shared.b64(turn.ptr_to([2 - wg]), T.uint32(1))
-                if stage_in:
+                if cfg.stage_tiles:
                     T.cuda.mbarrier_wait(rfull.ptr_to([wg - 1]), j % 2)
                 finish(out_map, O, P, out, stats, acc, wg - 1, cw, tw, bx + (first + step * j) * grid)
             if staged:
