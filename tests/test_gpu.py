@@ -385,12 +385,16 @@ def test_gpu_wgmma_postnorm_matches_torch(M, N, K, dtype, norm, cfg, stage):
     # loaded by TMA at N = 8192 (session 19: half the chain's cost)
     (8192, 4096, 4096, "float16", "layer_norm", (128, 256, 3, 64, 1, 1, False, 1, 0, False, True, False, 16), False),
     (4096, 8192, 1024, "float16", "layer_norm", (128, 256, 3, 64, 1, 1, False, 1, 0, False, True, True), True),
+    # one wave of tiles, one a CTA, on the persistent kernel with the residual staged (session 21):
+    # BERT-base's FFN2, and a ragged M whose last tile's rows past M read TMA's zeros
+    (4096, 768, 3072, "float16", "layer_norm", (128, 192, 4, 64, 1, 1, False, 1, 0, False, True, True), True),
+    (1000, 1024, 768, "bfloat16", "rms_norm", (128, 256, 3, 64, 1, 1, False, 1, 0, False, True, True), False),
 ])
 def test_gpu_split_postnorm_matches_torch(M, N, K, dtype, norm, cfg, norm_out):
     """The split post-norm (:mod:`tvm_comfuse.schedule.split_norm`): the GEMM kernel writes the
     sum and each row's statistics over its warpgroups' parts, the norm kernel combines them.
-    Against PyTorch in fp32, the residual's mean far from 0 (a one-pass sum of squares would
-    cancel); the sum the GEMM kernel writes matches too."""
+    Against PyTorch in fp32, the residual's mean far from 0 (an unshifted one-pass sum of squares
+    would cancel); the sum the GEMM kernel writes matches too."""
     import dataclasses  # pylint: disable=import-outside-toplevel
 
     import tvm  # pylint: disable=import-outside-toplevel

@@ -49,11 +49,11 @@ QUICK_SHAPES = [(8192, 4096, 4096), (4096, 4096, 1024), (4096, 1024, 1024)]
 VARIANTS = [(128, 256, 4, 32, True), (128, 256, 3, 64, False), (128, 192, 4, 64, False), (128, 128, 4, 64, True)]
 
 
-def split(m, n, k, spec, cfg, inputs, out, ref, base):
+def split(m, n, k, spec, cfg, inputs, out, ref, base, sn=sn, contender="split"):
     """The row of the split kernels with GEMM configuration ``cfg`` (None: the default): both
     built, run once into NaN-filled outputs and checked against ``ref``, then timed together; a
-    failure is recorded, not raised."""
-    row = dict(base, contender="split", config=dataclasses.asdict(cfg or sn.config(m, n, k, spec)), default=cfg is None)
+    failure is recorded, not raised. ``sn``: the split module (another version's, to compare)."""
+    row = dict(base, contender=contender, config=dataclasses.asdict(cfg or sn.config(m, n, k, spec)), default=cfg is None)
     try:
         gemm, norm, parts = sn.kernels(m, n, k, spec, cfg)
         gemm, norm = build(gemm)["main"], build(norm, tir_pipeline="default")["main"]
@@ -75,7 +75,7 @@ def split(m, n, k, spec, cfg, inputs, out, ref, base):
     except Exception as err:  # pylint: disable=broad-except
         row["error"] = error_text(err)
     text = f"err {row['max_abs_err']:.3g}, {row['kernel_us']:.1f} us device" if "us" in row else row["error"]
-    print(f"  split {'default' if cfg is None else cfg}: {text}", flush=True)
+    print(f"  {contender} {'default' if cfg is None else cfg}: {text}", flush=True)
     return row
 
 

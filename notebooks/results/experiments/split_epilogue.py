@@ -1,0 +1,94 @@
+"""The split post-norm's epilogue where one wave of tiles is all there is (issue 3's BERT shapes).
+
+Why: at N <= 1024 the split's GEMM runs one tile a CTA, one wave (128 CTAs at 4096 x 3072 ->
+768), so its epilogue is exposed: nothing of the next tile runs beside it. On the H100 (session
+20, ``session20-h100-2026-12-05/split-norm-breakdown-bert-2cf77ac.json``) BERT-base's FFN2 took
+27.5 us as a plain GEMM, 30.2 with the bias and residual (each thread loading its residual after
+the mainloop) and 32.2 with the row statistics too (each thread reading its staged values back
+twice), then 4.0 for the norm kernel: 36.2 against torch.compile's 33.4. Two changes:
+
+- ``stats``: the statistics summed as the values are staged, one pass in registers
+  (``wgmma_elementwise.statistics``, session 21), not read back;
+- ``staged``: the one-wave tiles on the persistent kernel, one tile a CTA (``persistent=True``),
+  whose ``stage_tiles`` loads the residual by TMA into its staging buffers while the mainloop runs
+  (the persistent default since session 20), on the deepest ring that fits beside them.
+
+Contenders per shape, one process: cuBLAS's GEMM alone and torch.compile; the cluster kernel
+where it takes the shape; the split as of session 20 (``tvm_comfuse_head``: a copy of that
+package beside this script, not committed) and with the new statistics, each on its default
+configuration and staged; the plain GEMM. Prediction (H100): the statistics' cost falls from
+~2 us to under 1 and staging takes ~2 us off the residual's 2.7, so FFN2 at BERT-base ~33 us
+(torch.compile 33.4) and at BERT-large ~52 (53.0).
+
+Run: ``bash .ci/gpu-run notebooks/results/experiments/split_epilogue.py`` (``$OUT/split-epilogue.json``).
+"""
+
+import dataclasses
+import sys
+
+import torch
+import tvm
+
+from split_norm import split  # the same directory: sys.path[0] when run as a script
+from wgmma_gemm import build, error_text, measure_postnorm, save, suite_cases, timed
+
+from tvm_comfuse.schedule import split_norm as sn, wgmma_postnorm as wp
+from tvm_comfuse.schedule.wgmma_elementwise import Elementwise, wgmma_elementwise
+
+try:
+    from tvm_comfuse_head.schedule import split_norm as head  # session 20's package, copied beside this script
+except ImportError:
+    head = None
+
+#: BERT-base's FFN2 and attention output, BERT-large's, then shapes whose split is persistent anyway
+SHAPES = [(4096, 3072, 768), (4096, 4096, 1024), (4096, 1024, 1024), (4096, 768, 768), (16384, 256, 1024), (8192, 4096, 4096)]
+
+
+def variants(m, n, k, spec):
+    """``(name, config)`` of the split's GEMM to time: session 20's default (``one_tile`` where
+    one wave takes the tiles, else ``persistent``) and, at one wave, the same tile on persistent
+    CTAs of one tile with the residual staged, on the deepest ring that fits (``staged``)."""
+    cfg = dataclasses.replace(sn.config(m, n, k, spec), persistent=False, stage_tiles=False, group_rows=0)
+    if sn.problems(m, n, k, spec, cfg) or m // cfg.bm * (n // cfg.bn) > wp.SM_COUNT:  # more than one wave: persistent
+        return [("persistent", sn.config(m, n, k, spec))]
+    cfg = dataclasses.replace(cfg, stages=4)
+    found = [("one_tile", cfg if not sn.problems(m, n, k, spec, cfg) else sn.config(m, n, k, spec))]
+    for stages in (4, 3):
+        looped = dataclasses.replace(cfg, persistent=True, stage_tiles=True, stages=stages)
+        if not sn.problems(m, n, k, spec, looped):
+            return found + [("staged", looped)]
+    return found
+
+
+def main():
+    rows = []
+    shapes = [tuple(map(int, a.split("x"))) for a in sys.argv[1:] if "x" in a] or SHAPES
+    for m, k, n, inputs, ref, base in suite_cases(shapes, 0, rows):
+        spec = wp.PostNorm.suite("float16")
+        out = torch.empty(m, n, device="cuda", dtype=torch.float16)
+        if not wp.problems(m, n, k, spec):
+            rows.append(measure_postnorm(base, inputs, ref, m, n, k, spec, "default", lambda: wp.wgmma_postnorm(m, n, k, spec)))
+        for name, cfg in variants(m, n, k, spec):
+            for tag, mod in (("head", head), ("new", sn)):
+                if mod is not None:  # the configuration as the module's own class
+                    mcfg = type(mod.config(m, n, k, mod.PostNorm.suite("float16")))(**dataclasses.asdict(cfg))
+                    row = split(m, n, k, mod.PostNorm.suite("float16"), mcfg, inputs, out, ref, base, sn=mod,
+                                contender=f"split_{tag}_{name}")
+                    row["default"] = mcfg == mod.config(m, n, k, mod.PostNorm.suite("float16"))
+                    rows.append(row)
+        cfg = dataclasses.replace(variants(m, n, k, spec)[0][1], stage_tiles=False)  # (no tile operand to stage)
+        row = dict(base, contender="gemm_plain", config=dataclasses.asdict(cfg))
+        try:
+            fn = build(wgmma_elementwise(m, n, k, Elementwise(out_dtype="float16"), cfg))["main"]
+            x, w = (tvm.runtime.from_dlpack(t) for t in inputs[:2])
+            y = tvm.runtime.from_dlpack(torch.empty(m, n, device="cuda", dtype=torch.float16))
+            timed(row, lambda: fn(x, w, y))  # noqa: B023
+        except Exception as err:  # pylint: disable=broad-except
+            row["error"] = error_text(err)
+        print(f"  gemm_plain {cfg}: {row.get('kernel_us', row.get('error'))}", flush=True)
+        rows.append(row)
+        save("split-epilogue.json", rows)
+
+
+if __name__ == "__main__":
+    main()
