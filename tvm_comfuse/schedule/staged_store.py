@@ -57,42 +57,29 @@ def staged_at(at, dtype: str) -> tuple:
     return lcol // box, lrow, (lcol % box // chunk ^ lrow % 8) * chunk + lcol % chunk
 
 
-def staged_store(cols: int, dtype: str, value, buffers: int = 2, collect=None):
-    """The tirx macro ``store(out_map, O, P, acc, wg, tw, row0, col0, buf, part=None)``: thread
-    ``tw`` of consumer warpgroup ``wg`` writes ``value(P, acc[i], row, col, here)`` (Python, at
-    parse time: the epilogue's chain on accumulator ``i`` of its ``64 x cols`` fragment tile, in
-    ``dtype``, at global ``(row, col)`` from ``(row0, col0)``; ``here`` is what the element's place
-    in the buffer holds before, a tile staged there) into buffer ``buf`` of ``O`` (shaped by
+def staged_store(cols: int, dtype: str, value, buffers: int = 2):
+    """The tirx macro ``store(out_map, O, P, acc, wg, tw, row0, col0, buf)``: thread ``tw`` of
+    consumer warpgroup ``wg`` writes ``value(P, acc[i], row, col, here)`` (Python, at parse time: the
+    epilogue's chain on accumulator ``i`` of its ``64 x cols`` fragment tile, in ``dtype``, at
+    global ``(row, col)`` from ``(row0, col0)``; ``here`` is what the element's place in the
+    buffer holds before, a tile staged there) into buffer ``buf`` of ``O`` (shaped by
     :func:`buffer_shape`), and the warpgroup's thread 0 stores it to the tensor of ``out_map``
     (encoded with 64-row boxes of :func:`box_cols` columns) by TMA, one bulk group a tile.
     ``cols`` is a multiple of the box columns; ``buffers`` the warpgroup alternates (1: it waits
-    until its last store has read the buffer before rewriting it). ``collect``: a tirx macro
-    ``collect(part, i, v)`` run on each staged value ``v`` (of accumulator ``i``) as it is written,
-    into the thread's registers ``part`` (a row statistic, :func:`~.wgmma_elementwise.statistics`)."""
+    until its last store has read the buffer before rewriting it)."""
     box = box_cols(dtype)
 
     # pylint: disable=invalid-name
     @T.macro
-    def store(out_map, O, P, acc, wg, tw, row0, col0, buf, part=None):
+    def store(out_map, O, P, acc, wg, tw, row0, col0, buf):
         if tw == 0:
             T.ptx["cp.async.bulk.wait_group.read"](buffers - 1)  # the store that last used this buffer has read it
         T.ptx["bar.sync"](T.uint32(STAGE_BARRIER) + T.cast(wg, "uint32"), 128)
-        if collect is None:
-            for q in T.unroll(cols // 4):  # accumulators 2q, 2q + 1: one row's adjacent columns
-                for v in T.vectorized(2):
-                    lrow, lcol = T.meta_var(fragment(tw, 2 * q + v))
-                    at = T.meta_var((buf, wg, *staged_at((lrow, lcol), dtype)))
-                    O[at] = value(P, acc[2 * q + v], row0 + lrow, col0 + lcol, O[at])
-        else:  # the pair through two registers, which `collect` reads after the (vector) store
-            pair = T.alloc_local([2], dtype)
-            for q in T.unroll(cols // 4):
-                for v in T.vectorized(2):
-                    lrow, lcol = T.meta_var(fragment(tw, 2 * q + v))
-                    at = T.meta_var((buf, wg, *staged_at((lrow, lcol), dtype)))
-                    pair[v] = value(P, acc[2 * q + v], row0 + lrow, col0 + lcol, O[at])
-                    O[at] = pair[v]
-                for v in T.unroll(2):
-                    collect(part, 2 * q + v, pair[v])
+        for q in T.unroll(cols // 4):  # accumulators 2q, 2q + 1: one row's adjacent columns
+            for v in T.vectorized(2):
+                lrow, lcol = T.meta_var(fragment(tw, 2 * q + v))
+                at = T.meta_var((buf, wg, *staged_at((lrow, lcol), dtype)))
+                O[at] = value(P, acc[2 * q + v], row0 + lrow, col0 + lcol, O[at])
         T.ptx["fence.proxy.async.shared::cta"]()  # the writes, visible to the TMA unit
         T.ptx["bar.sync"](T.uint32(STAGE_BARRIER) + T.cast(wg, "uint32"), 128)
         if tw == 0:

@@ -197,11 +197,7 @@ def default_config(m: int, n: int, k: int, spec: Elementwise = Elementwise()) ->
     loads in the accumulator's layout filled the load/store queue (``lg_throttle`` 5.0 of 16.4
     cycles an instruction, gone when staged). On the H100 (session 20) it took the split
     post-norm from 494.8 to 491.0 us at 8192 x 4096 -> 4096 and from 199.7 to 186.6 at 4096 x
-    1024 -> 8192. Where one wave takes every tile and a tile operand streams, the CTAs are
-    persistent too, one tile each, only so that the residual loads by TMA while the mainloop runs
-    (on a ring of 4 or 3 stages of 64 beside the staging buffers): predicted (session 21) to take
-    most of the 2.7 us the residual's per-thread loads added to BERT-base's FFN2 GEMM on the H100
-    (30.2 against 27.5 as a plain GEMM), where the epilogue of the one wave is all exposed."""
+    1024 -> 8192."""
     best = None
     for (bm, bn), rate in TILES.items():
         for bk in (64, 32):
@@ -218,13 +214,12 @@ def default_config(m: int, n: int, k: int, spec: Elementwise = Elementwise()) ->
     if best is None:
         return None
     cfg = best[1]
-    waves = _padded(m, cfg.bm) // cfg.bm * (n // cfg.bn) > SM_COUNT
-    if waves or staged_tile(spec) is not None:  # one wave: persistent CTAs of one tile, to stage the tile operand
-        for bk in (64, 32) if waves else (64,):
+    if _padded(m, cfg.bm) // cfg.bm * (n // cfg.bn) > SM_COUNT:
+        for bk in (64, 32):
             for stages in (4, 3):
                 looped = dataclasses.replace(cfg, stages=stages, bk=bk, persistent=True)
                 if not looped.problems(_padded(m, cfg.bm), n, k, spec.dtype) and stages_output(spec, looped):
-                    return dataclasses.replace(looped, group_rows=group_rows(m, k, spec, looped) if waves else 0,
+                    return dataclasses.replace(looped, group_rows=group_rows(m, k, spec, looped),
                                                stage_tiles=staged_tile(spec) is not None)
     return cfg
 
@@ -299,77 +294,53 @@ def stages_output(spec: Elementwise, cfg: WgmmaConfig) -> bool:
 
 
 def statistics(spec: Elementwise, cfg: WgmmaConfig, m: int):
-    """``(collect, finish)``, the tirx macros of the row statistics of a kernel with
-    ``spec.stats`` (both None without): the staged store (:func:`~.staged_store.staged_store`) runs
-    ``collect(part, i, v)`` on each value ``v`` it stages (accumulator ``i`` of thread ``tw``: the
-    value the graph's norm reads), summing it into the thread's registers ``part`` for the row of
-    the thread's two it lies in; then ``finish(stats, part, tw, row0, col0)`` combines a row's
-    four quad lanes (butterfly shuffles) and writes its statistics over the ``64 x wg_cols`` part
-    at ``(row0, col0)`` to ``stats[row, col0 / wg_cols]``: LayerNorm's mean and centred sum of
-    squares, RMSNorm's mean of squares (and 0).
-    LayerNorm's sums are shifted by the row's first value a thread stages, ``d = v - v0``: its
-    ``wg_cols / 4`` values give the mean ``v0 + sum(d) / c`` and the centred sum of squares
-    ``sum(d^2) - sum(d)^2 / c``, which does not cancel where ``v0`` lies within a few deviations
-    of the mean, as a value of the row does; the quad's lanes then meet by Chan et al.'s formula
-    (equal counts ``c``: ``M2 = M2_a + M2_b + (mean_b - mean_a)^2 c / 2``), exactly the same on
-    both lanes of each exchange. One pass over values in registers: until session 21 each thread
-    read its values back from the staging buffer twice (the mean, then the centred sum), and the
-    split's GEMM took 1.9 us more than without statistics at 4096 x 3072 -> 768 (32.2 against
-    30.2 us, H100, session 20), its epilogue exposed where a wave of tiles is all there is."""
-    if not spec.stats:
-        return None, None
-    c, cols = cfg.wg_cols // 4, cfg.wg_cols
+    """The tirx macro ``row_stats(stats, O, wg, tw, row0, col0)`` of a kernel with
+    ``spec.stats``: once thread ``tw`` of consumer warpgroup ``wg`` has staged its share of the
+    ``64 x wg_cols`` output part at ``(row0, col0)`` in its buffer of ``O`` (the values the graph's
+    norm reads), it reads them back and writes each of its two rows' statistics over the part to
+    ``stats[row, col0 / wg_cols]``: the sum of its ``wg_cols / 4`` values, then its quad's
+    (butterfly shuffles), for the mean (of squares: RMSNorm's); then LayerNorm's centred sum of
+    squares the same way (two passes: no cancellation).
+    Why read back: the values die as they are staged; kept in registers for the statistics, all
+    of a part's accumulators and residual loads are live at once and ptxas spills (60 bytes a
+    thread at 8192 x 4096 -> 4096 with a residual). A no-op without ``spec.stats``."""
+    acc_n, cols, wanted = cfg.wg_cols // 2, cfg.wg_cols, bool(spec.stats)
     rms = spec.stats == "rms_norm"
     wide = lambda v: T.cast(v, "float32") if spec.out_dtype != "float32" else v  # noqa: E731
 
     # pylint: disable=invalid-name
     @T.macro
-    def collect(part, i, v):  # part: [shift, sum of d, sum of d^2, -] x the thread's two rows (RMSNorm: [-, sum of v^2])
-        h = T.meta_var(i // 2 % 2)  # accumulators 4q + 2h + (0, 1) lie in the thread's row h
-        if rms:
-            if i < 4 and i % 2 == 0:
-                part[2 + h] = wide(v) * wide(v)
-            else:
-                part[2 + h] = part[2 + h] + wide(v) * wide(v)
-        else:
-            if i < 4 and i % 2 == 0:  # the row's first value: the shift
-                part[h] = wide(v)
-                part[2 + h] = T.float32(0)
-                part[4 + h] = T.float32(0)
-            else:
-                part[2 + h] = part[2 + h] + (wide(v) - part[h])
-                part[4 + h] = part[4 + h] + (wide(v) - part[h]) * (wide(v) - part[h])
+    def quad_sum(part, j):  # part[j] summed over the four lanes of a quad (which hold a row's values between them)
+        for lanes in T.unroll(2):
+            part[j] = part[j] + T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), part[j], 1 << lanes, 32, 32)
 
     @T.macro
-    def meet(part, h, lanes, weight):  # the thread's (mean, M2) of row h and those of lane ^ lanes, of `weight` / 2 values each
-        part[6 + h] = T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), part[h], lanes, 32, 32)
-        part[2 + h] = part[6 + h] - part[h]  # (negated on the other lane: its square is the same)
-        part[4 + h] = (part[4 + h] + T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), part[4 + h], lanes, 32, 32)
-                       + part[2 + h] * part[2 + h] * T.float32(weight / 4))
-        part[h] = (part[h] + part[6 + h]) * T.float32(0.5)
-
-    @T.macro
-    def finish(stats, part, tw, row0, col0):
-        for h in T.unroll(2):
-            if rms:
-                for lanes in T.unroll(2):
-                    part[2 + h] = part[2 + h] + T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), part[2 + h], 1 << lanes, 32, 32)
-                part[h] = part[2 + h] * T.float32(1.0 / cols)
+    def row_stats(stats, O, wg, tw, row0, col0):
+        if wanted:
+            part = T.alloc_local([4], "float32")
+            for h in T.unroll(2):  # the thread's rows: accumulators 4q + 2h + (0, 1)
+                part[h] = T.float32(0)
                 part[2 + h] = T.float32(0)
-            else:  # the thread's mean into part[h], its centred sum of squares into part[4 + h], then the quad's
-                part[4 + h] = part[4 + h] - part[2 + h] * part[2 + h] * T.float32(1.0 / c)
-                part[h] = part[h] + part[2 + h] * T.float32(1.0 / c)
-                meet(part, h, 1, 2 * c)
-                meet(part, h, 2, 4 * c)
-                part[2 + h] = part[4 + h]
-        if tw % 4 == 0:
-            for h in T.unroll(2):
-                row = T.meta_var(row0 + fragment(tw, 2 * h)[0])
-                if row < m:
-                    stats[row, col0 // cols, 0] = part[h]
-                    stats[row, col0 // cols, 1] = part[2 + h]
+                for q in T.unroll(acc_n // 4):
+                    for j in T.unroll(2):
+                        v = T.meta_var(wide(O[(0, wg, *staged_at(fragment(tw, 4 * q + 2 * h + j), spec.out_dtype))]))
+                        part[h] = part[h] + (v * v if rms else v)
+                quad_sum(part, h)
+                part[h] = part[h] * T.float32(1.0 / cols)
+                if not rms:
+                    for q in T.unroll(acc_n // 4):
+                        for j in T.unroll(2):
+                            v = T.meta_var(wide(O[(0, wg, *staged_at(fragment(tw, 4 * q + 2 * h + j), spec.out_dtype))]))
+                            part[2 + h] = part[2 + h] + (v - part[h]) * (v - part[h])
+                    quad_sum(part, 2 + h)
+            if tw % 4 == 0:
+                for h in T.unroll(2):
+                    row = T.meta_var(row0 + fragment(tw, 2 * h)[0])
+                    if row < m:
+                        stats[row, col0 // cols, 0] = part[h]
+                        stats[row, col0 // cols, 1] = part[2 + h]
 
-    return collect, finish
+    return row_stats
 
 
 def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(), cfg: WgmmaConfig | None = None, lead=None,
@@ -407,10 +378,9 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
     sync = consumer_sync(cfg)
     # rows past M (the last tile's, on TMA's zeros) read a tile operand at row M - 1; the TMA store clips them
     staged_value = lambda P, v, row, col, _here: epilogue_value(spec, P, v, T.min(row, m - 1) if ragged else row, col)  # noqa: E731
-    collect, finish_stats = statistics(spec, cfg, m)
-    with_stats = bool(spec.stats)
-    store = staged_store(cfg.wg_cols, spec.out_dtype, staged_value, collect=collect)
+    store = staged_store(cfg.wg_cols, spec.out_dtype, staged_value)
     wait_stores = drain()
+    row_stats = statistics(spec, cfg, m)
 
     def at(row, col):
         """Where ``(row, col)`` of the GEMM's result lies in the output (Python, at parse time)."""
@@ -459,12 +429,8 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
             consumer()
             consume(S, S, full, empty, acc, da, db, wg - 1, tw, 0)
             sync(0)  # every consumer warpgroup's wgmmas are done and every load has landed: the ring is free
-            if with_stats:
-                part = T.alloc_local([8], "float32")
-                store(out_map, O, P, acc, wg - 1, tw, row0, col0, 0, part)
-                finish_stats(stats, part, tw, row0, col0)
-            else:
-                store(out_map, O, P, acc, wg - 1, tw, row0, col0, 0)
+            store(out_map, O, P, acc, wg - 1, tw, row0, col0, 0)
+            row_stats(stats, O, wg - 1, tw, row0, col0)
             wait_stores(tw)
         else:
             consumer()
@@ -480,7 +446,7 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
     # a buffer of its own, written once a tile (in place over its staged tile operand, if any)
     box, tile_bytes = box_cols(spec.out_dtype), 64 * cfg.wg_cols * size(spec.out_dtype)
     loop_store = staged_store(cfg.wg_cols, spec.out_dtype, staged_value if not cfg.stage_tiles else (
-        lambda P, v, row, col, here: epilogue_value(spec, P, v, row, col, staged={tile_in: here})), buffers=1, collect=collect)
+        lambda P, v, row, col, here: epilogue_value(spec, P, v, row, col, staged={tile_in: here})), buffers=1)
 
     @T.macro
     def load_tile(tile_map, O, rfull, tw, slot, row0, col0):  # warpgroup `slot`'s part of the tile operand, into its buffer
@@ -496,12 +462,8 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
     def finish(out_map, O, P, out, stats, acc, slot, cw, tw, t):  # warpgroup cw's part of tile t, staged in buffer `slot`
         row0, col0 = T.meta_var(tile_origin(cfg, tiles_m, tiles_n, t, cw))
         if staged:
-            if with_stats:
-                part = T.alloc_local([8], "float32")
-                loop_store(out_map, O, P, acc, slot, tw, row0, col0, 0, part)
-                finish_stats(stats, part, tw, row0, col0)
-            else:
-                loop_store(out_map, O, P, acc, slot, tw, row0, col0, 0)
+            loop_store(out_map, O, P, acc, slot, tw, row0, col0, 0)
+            row_stats(stats, O, slot, tw, row0, col0)
         else:
             register_store(out, P, acc, tw, row0, col0)
 

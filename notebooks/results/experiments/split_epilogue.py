@@ -14,11 +14,25 @@ twice), then 4.0 for the norm kernel: 36.2 against torch.compile's 33.4. Two cha
   (the persistent default since session 20), on the deepest ring that fits beside them.
 
 Contenders per shape, one process: cuBLAS's GEMM alone and torch.compile; the cluster kernel
-where it takes the shape; the split as of session 20 (``tvm_comfuse_head``: a copy of that
-package beside this script, not committed) and with the new statistics, each on its default
-configuration and staged; the plain GEMM. Prediction (H100): the statistics' cost falls from
-~2 us to under 1 and staging takes ~2 us off the residual's 2.7, so FFN2 at BERT-base ~33 us
-(torch.compile 33.4) and at BERT-large ~52 (53.0).
+where it takes the shape; the split on session 20's default configuration (``one_tile`` at one
+wave, else ``persistent``) and ``staged``, each built by two versions of the package: ``new``,
+the one on the path, and ``head``, a copy of another version placed beside this script as
+``tvm_comfuse_head`` (not committed; skipped where absent); the plain GEMM. Prediction (H100):
+the statistics' cost falls from ~2 us to under 1 and staging takes ~2 us off the residual's
+2.7, so FFN2 at BERT-base ~33 us (torch.compile 33.4) and at BERT-large ~52 (53.0).
+
+Outcome (H100, session 21, ``session21-h100-2026-12-05/split-epilogue-402b508.json``: ``new`` is
+commit 402b508 with both changes, ``head`` 878958e without; device us, all correct): refuted.
+The GEMM kernel with its chain and statistics, one-pass against read back (one tile a CTA,
+else persistent): 32.2 / 32.1 at BERT-base's FFN2, 51.9 / 50.2 at BERT-large's, 19.3 / 19.4
+and 11.9 / 11.9 at the attention outputs, 451.2 / 456.2 at gpt-4k, 42.2 / 41.8 at 16384 x 256 ->
+1024; staged against one tile a CTA (``head``): 31.9 / 32.1 at FFN2-base, 18.2 / 19.4 at 4096 x
+1024 -> 1024, 11.3 / 11.9 at 4096 x 768 -> 768, but 54.3 / 50.2 at BERT-large's FFN2, whose 128
+x 256 tiles keep three ring stages beside the staging buffers, not four. The
+plain GEMM took 27.9 and 49.0: what the chain and statistics add at FFN2-base (4.2 us) is
+neither the statistics' shared-memory reads nor the residual's loads. Both changes were
+reverted; the split still loses to torch.compile at BERT-base's FFN2 (36.0 against 34.1) and the
+cluster kernel (37.1) too. The configurations stay in the GPU tests (valid, tunable).
 
 Run: ``bash .ci/gpu-run notebooks/results/experiments/split_epilogue.py`` (``$OUT/split-epilogue.json``).
 """
