@@ -225,8 +225,14 @@ def resident_config(n: int, m: int, k: int, spec: PostNorm, pingpong: bool = Tru
     fewest CTAs a row whose ``N / ranks x K`` slice, two sets of staged tiles and a ring of A
     fit beside each other, ``bk`` 64 where K allows. Two consumer warpgroups: with ``pingpong``
     (where a slice is one wgmma tile, at most 256 columns) each owns a whole slice and they take
-    alternate row blocks, the deepest ring of 2 to 4 stages that fits; otherwise (or where no
-    ping-pong configuration fits) they split each block's slice, a ring of at least three stages.
+    alternate row blocks, on a ring of 64-deep K steps where three or four stages fit, else the
+    deepest of up to eight 32-deep ones (else two of 64); otherwise (or where no ping-pong
+    configuration fits) they split each block's slice, a ring of at least three stages.
+    The 32-deep ring (session 21): at 16384 x 256 -> 1024, whose 256-column slices left room
+    for two 64-deep stages, five 32-deep ones took the kernel from 49.3 to 41.7 us on the H100
+    (``comfuse bench``, the default against the shipped H200 tuning log's best, one process;
+    torch.compile 58.0); the H200's tuning had measured five, four and three 32-deep stages at
+    38.8, 41.8 and 44.9 us (``tuning_logs/cuda-sm_90a/wide-short-k``).
 
     Why (session 10): at 16384x256x1024 the streaming kernel reads its 256 KiB W slice from L2
     for every 64 rows, 128 MiB in all against 72 MiB of HBM traffic, and took 54 us where
@@ -235,13 +241,15 @@ def resident_config(n: int, m: int, k: int, spec: PostNorm, pingpong: bool = Tru
     the groups splitting a block, the tensor cores idle through every epilogue; taking turns,
     one group's epilogue runs beside the other's wgmmas (see :func:`resident_pays`)."""
     bk = 64 if k % 64 == 0 else 32
+    # ping-pong: 64-deep steps where three stages fit, else the deepest ring of 32-deep ones, else two of 64
+    deep = [(64, s) for s in (4, 3) if bk == 64] + [(32, s) for s in range(8, 2, -1)] + [(bk, 2)]
     for ranks in DEFAULT_CLUSTER_SIZES:
         bn = n // ranks
         if n % ranks or bn % BOX_COLS or bn > MAX_ROW or (m // 64) < 2 * ACTIVE_CLUSTERS[ranks]:
             continue
-        rings = [(1, True, s) for s in (4, 3, 2) if pingpong and bn <= 256] + [(2, False, s) for s in (4, 3)]
-        for wg_n, turns, stages in rings:
-            cfg = WgmmaConfig(bm=64, bn=bn, stages=stages, bk=bk, wg_n=wg_n, resident=True, pingpong=turns)
+        rings = [(1, True, s, b) for b, s in deep if pingpong and bn <= 256] + [(2, False, s, bk) for s in (4, 3)]
+        for wg_n, turns, stages, step in rings:
+            cfg = WgmmaConfig(bm=64, bn=bn, stages=stages, bk=step, wg_n=wg_n, resident=True, pingpong=turns)
             if not problems(m, n, k, spec, cfg):
                 return cfg
     return None
