@@ -78,8 +78,9 @@ DEFAULT_CLUSTER_SIZES = (1, 2, 4, 8)
 #: SMs of the sm_90 parts ComFuse targets (H100 SXM, H200): what ``default_config`` fills.
 SM_COUNT = 132
 #: Clusters of a one-CTA-per-SM kernel the H200 runs at once, by cluster size
-#: (``cudaOccupancyMaxActiveClusters``, session 10: ``experiments/cluster_occupancy.py``): the
-#: grid of a kernel whose clusters loop over row blocks (a resident W slice).
+#: (``cudaOccupancyMaxActiveClusters``, session 10: ``experiments/cluster_occupancy.py``; the
+#: H100 SXM gave the same counts in session 21): the grid of a kernel whose clusters loop over
+#: row blocks (a resident W slice).
 ACTIVE_CLUSTERS = {1: 132, 2: 66, 3: 39, 4: 30, 8: 15}
 #: Shared memory a thread block may use on sm_90, dynamic and static together: what a resident
 #: configuration's buffers and its exchange buffers (:func:`static_bytes`) must fit.
