@@ -41,10 +41,9 @@ import dataclasses
 import sys
 
 import torch
-import tvm
 
 from split_norm import split  # the same directory: sys.path[0] when run as a script
-from wgmma_gemm import build, error_text, measure_postnorm, save, suite_cases, timed
+from wgmma_gemm import measure, measure_postnorm, save, suite_cases
 
 from tvm_comfuse.schedule import split_norm as sn, wgmma_postnorm as wp
 from tvm_comfuse.schedule.wgmma_elementwise import Elementwise, wgmma_elementwise
@@ -91,14 +90,9 @@ def main():
                     row["default"] = mcfg == mod.config(m, n, k, mod.PostNorm.suite("float16"))
                     rows.append(row)
         cfg = dataclasses.replace(variants(m, n, k, spec)[0][1], stage_tiles=False)  # (no tile operand to stage)
-        row = dict(base, contender="gemm_plain", config=dataclasses.asdict(cfg))
-        try:
-            fn = build(wgmma_elementwise(m, n, k, Elementwise(out_dtype="float16"), cfg))["main"]
-            x, w = (tvm.runtime.from_dlpack(t) for t in inputs[:2])
-            y = tvm.runtime.from_dlpack(torch.empty(m, n, device="cuda", dtype=torch.float16))
-            timed(row, lambda: fn(x, w, y))  # noqa: B023
-        except Exception as err:  # pylint: disable=broad-except
-            row["error"] = error_text(err)
+        row = measure(dict(base, contender="gemm_plain", config=dataclasses.asdict(cfg)),
+                      lambda: wgmma_elementwise(m, n, k, Elementwise(out_dtype="float16"), cfg),  # noqa: B023
+                      inputs[:2], torch.empty(m, n, device="cuda", dtype=torch.float16), inputs[0].float() @ inputs[1].float().T)
         print(f"  gemm_plain {cfg}: {row.get('kernel_us', row.get('error'))}", flush=True)
         rows.append(row)
         save("split-epilogue.json", rows)
