@@ -89,3 +89,34 @@ def test_symbolic_rows_run_for_several_m():
         (out,) = rt.run(ex, rt.to_device(args, ["float32"] * 6, tvm.cpu()), tvm.cpu())
         ref = wl.post_norm_reference(args, "layer_norm", linear=True)[0]
         assert np.abs(out - ref).max() <= TOL["float32"]
+
+
+def test_bf16_layer_norm_outside_groups_is_computed_in_float32():
+    """A bf16 LayerNorm no group takes (here a whole block of them, no GEMM before it), which
+    TVM 0.27 cannot legalise in bf16, compiles through ComFuse's pipeline: WidenBF16LayerNorm
+    computes it in float32 and rounds once (session 21, CPU fuzz seed 3439). float16 ones are
+    left as vanilla TVM computes them."""
+    import ml_dtypes  # pylint: disable=import-outside-toplevel
+    from tvm import relax  # pylint: disable=import-outside-toplevel
+    from tvm.script import relax as R  # pylint: disable=import-outside-toplevel
+
+    from tvm_comfuse.transform import WidenBF16LayerNorm  # pylint: disable=import-outside-toplevel
+
+    def block(dtype):
+        bb = relax.BlockBuilder()
+        x, g, b = (relax.Var(n, R.Tensor(s, dtype)) for n, s in (("x", (7, 40)), ("g", (40,)), ("b", (40,))))
+        with bb.function("main", [x, g, b]):
+            with bb.dataflow():
+                out = bb.emit_output(bb.emit(R.nn.layer_norm(x, g, b, axes=[-1])))
+            bb.emit_func_output(out)
+        return bb.get()
+
+    assert "astype" not in WidenBF16LayerNorm()(block("float16")).script()
+    widened = WidenBF16LayerNorm()(block("bfloat16")).script()
+    assert widened.count('R.astype(') == 4 and 'dtype="float32"' in widened
+    rng = np.random.default_rng(0)
+    x, g, b = (rng.standard_normal(s).astype(np.float32) * sc + sh for s, sc, sh in (((7, 40), 3.0, 5.0), ((40,), 1.0, 0.0), ((40,), 1.0, 0.0)))
+    args = [a.astype(ml_dtypes.bfloat16).astype(np.float32) for a in (x, g, b)]  # what the kernel reads
+    xr = args[0].astype(np.float64)
+    ref = (xr - xr.mean(-1, keepdims=True)) / np.sqrt(xr.var(-1, keepdims=True) + 1e-5) * args[1] + args[2]
+    assert max(_errors(block("bfloat16"), args, [ref])) <= TOL["bfloat16"]

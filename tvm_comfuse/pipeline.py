@@ -23,7 +23,7 @@ from .errors import ComFuseError
 from .schedule import GemmRowTile
 from .target import is_gpu, parse_target
 from .transform import (AnnotateFusedBlocks, FuseComputeMemory, OffloadHopperAttention, OffloadHopperB2B,
-                        OffloadHopperElementwise, OffloadHopperPostNorm)
+                        OffloadHopperElementwise, OffloadHopperPostNorm, WidenBF16LayerNorm)
 from .transform.fuse_compute_memory import KIND_ATTR
 from .transform.offload_hopper import uses_hopper
 
@@ -144,7 +144,9 @@ def fusion_passes(target=None, hopper: bool | None = None, database=None, build=
     rest, then the annotation of the fused PrimFuncs: everything up to scheduling. ``build``: as
     :class:`OffloadHopperPostNorm`'s. The attention pass runs before the elementwise one, which
     folds the casts and the transpose it leaves on the projections' outputs into their kernels;
-    the b2b pass too, which takes GEMM + elementwise pairs the elementwise one would take apart."""
+    the b2b pass too, which takes GEMM + elementwise pairs the elementwise one would take apart.
+    A bf16 LayerNorm no group took is then widened to float32 (:class:`WidenBF16LayerNorm`: TVM
+    cannot legalise it in bf16)."""
     groups = resolve_hopper_groups(hopper_groups)
     offload, norms = [], "post_norm" in groups or "split_norm" in groups
     if target is not None and uses_hopper(target, hopper):
@@ -153,7 +155,8 @@ def fusion_passes(target=None, hopper: bool | None = None, database=None, build=
         offload += [OffloadHopperB2B(target, build, database)] if "b2b" in groups else []
         offload += [OffloadHopperElementwise(target, build, database)] if "elementwise" in groups else []
     keeps = bool(offload) and norms  # groups the rule declines stay whole for the post-norm kernels
-    return [FuseComputeMemory(target=target, hopper=keeps), *offload, *vanilla_fusion_passes(), AnnotateFusedBlocks()]
+    return [FuseComputeMemory(target=target, hopper=keeps), *offload, WidenBF16LayerNorm(), *vanilla_fusion_passes(),
+            AnnotateFusedBlocks()]
 
 
 def schedule_passes(target: tvm.target.Target, database=None, static: dict | None = None):

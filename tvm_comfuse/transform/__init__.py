@@ -9,3 +9,4 @@ from .offload_hopper import OffloadHopperPostNorm
 from .offload_hopper_attention import OffloadHopperAttention
 from .offload_hopper_b2b import OffloadHopperB2B
 from .offload_hopper_elementwise import OffloadHopperElementwise
+from .widen_bf16_layer_norm import WidenBF16LayerNorm
