@@ -92,7 +92,7 @@ def test_symbolic_rows_run_for_several_m():
 
 
 def test_bf16_layer_norm_outside_groups_is_computed_in_float32():
-    """A bf16 LayerNorm no group takes (here a whole block of them, no GEMM before it), which
+    """A bf16 LayerNorm no group takes (here alone, no GEMM before it), which
     TVM 0.27 cannot legalise in bf16, compiles through ComFuse's pipeline: WidenBF16LayerNorm
     computes it in float32 and rounds once (session 21, CPU fuzz seed 3439). float16 ones are
     left as vanilla TVM computes them."""
