@@ -29,11 +29,12 @@ import sys
 import torch
 import tvm
 
-from wgmma_gemm import build, error_text, save, timed  # the same directory: sys.path[0] when run as a script
+from split_epilogue import variants  # the same directory: sys.path[0] when run as a script
+from wgmma_gemm import build, error_text, save, timed
 
 from tvm_comfuse.schedule import split_norm as sn, wgmma_postnorm as wp
 from tvm_comfuse.schedule.chain import Step
-from tvm_comfuse.schedule.wgmma_elementwise import Elementwise, problems, wgmma_elementwise
+from tvm_comfuse.schedule.wgmma_elementwise import Elementwise, wgmma_elementwise
 
 #: BERT-base's FFN2, its attention output, BERT-large's FFN2 (M, K, N)
 SHAPES = [(4096, 3072, 768), (4096, 768, 768), (4096, 4096, 1024)]
@@ -57,19 +58,6 @@ def parts():
     return found
 
 
-def config(m, n, k, spec, staged):
-    """The split's default GEMM configuration (one tile a CTA at these shapes), or its persistent
-    one-tile variant that stages the tile operand, on the deepest ring that fits (4 or 3 stages)."""
-    cfg = sn.config(m, n, k, wp.PostNorm.suite(F16))
-    if not staged:
-        return cfg
-    for stages in (4, 3):
-        looped = dataclasses.replace(cfg, persistent=True, stage_tiles=True, stages=stages)
-        if not problems(m, n, k, spec, looped):
-            return looped
-    return None
-
-
 def main():
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -81,8 +69,10 @@ def main():
         row = timed(dict(base, contender="cublas_gemm_alone"), lambda: torch.matmul(x, w.T))  # noqa: B023
         rows.append(row)
         print(f"{m}x{k}x{n}: cuBLAS {row['kernel_us']:.1f} us device", flush=True)
+        # the split's one-tile configuration, or its persistent one-tile variant that stages the residual
+        configs = dict(variants(m, n, k, wp.PostNorm.suite(F16)))
         for name, spec, staged, stage in parts():
-            cfg = config(m, n, k, spec, staged)
+            cfg = configs.get("staged" if staged else "one_tile")
             row = dict(base, contender=name, config=cfg and dataclasses.asdict(cfg))
             try:
                 fn = build(wgmma_elementwise(m, n, k, spec, cfg, stage=stage))["main"]
