@@ -448,6 +448,49 @@ def test_gpu_split_postnorm_of_an_imported_bert_chain():
     assert (normed - ref).abs().max().item() <= 1e-2 and (out.float() - ref).abs().max().item() <= TOL["float16"]
 
 
+@pytest.mark.parametrize("M, N, K, dtype, norm", [
+    (4096, 768, 3072, "float16", "layer_norm"),  # BERT-base's FFN2: one wave of 128 x 192 tiles
+    (4096, 1024, 4096, "float16", "layer_norm"),  # BERT-large's: 128 x 256
+    (4096, 768, 768, "bfloat16", "rms_norm"),
+    (1000, 1024, 768, "float16", "layer_norm"),  # rows no tile divides
+    (1, 768, 768, "bfloat16", "layer_norm"),  # one row
+])
+def test_gpu_row_exchange_postnorm_matches_torch(M, N, K, dtype, norm):
+    """The split post-norm in one kernel (:mod:`tvm_comfuse.schedule.row_exchange`): each CTA's
+    statistics meet its row tile's others at a barrier in global memory, and each CTA normalises
+    its staged sum. Against PyTorch in fp32 (the residual's mean far from 0), after one launch and
+    again after 200 more back to back: every launch leaves the barrier's count words zero, and no
+    launch reads a statistic its peers have not written (NaN-filled scratch each time)."""
+    import tvm  # pylint: disable=import-outside-toplevel
+
+    from tvm_comfuse.schedule import split_norm as sn, wgmma_mainloop as wm, wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
+
+    _need_sm90(tvm)
+    x, w, b, r, g, be = _inputs(M, K, N, dtype, linear=True)
+    r = r + 8
+    spec = wp.PostNorm.suite(dtype, norm)
+    kernel = wm.build(sn.exchange_kernel(M, N, K, spec))["main"]
+    parts = N // sn.config(M, N, K, spec).wg_cols
+    flags = torch.zeros(sn.flags_shape(M, N, K, spec), device="cuda", dtype=torch.int32)
+    stats = torch.full((M, parts, 2), float("nan"), device="cuda")
+    out = torch.full((M, N), float("nan"), device="cuda", dtype=x.dtype)
+    params = (g, be) if norm == "layer_norm" else (g,)  # RMSNorm has no beta
+    args = [tvm.runtime.from_dlpack(t) for t in (x, w, b, r, *params, flags, out, stats)]
+    s = (x.float() @ w.float().T).to(x.dtype).float() + b.float()
+    s = (s.to(x.dtype).float() + r.float()).to(x.dtype).float()  # each add rounded, as the suite's chain is
+    f = torch.nn.functional
+    ref = f.layer_norm(s, (N,), g.float(), be.float()) if norm == "layer_norm" else f.rms_norm(s, (N,), g.float(), 1e-5)
+    for launches in (1, 200):
+        for _ in range(launches):
+            stats.fill_(float("nan"))
+            kernel(*args)
+        torch.cuda.synchronize()
+        assert (out.float() - ref).abs().max().item() <= TOL[dtype], launches
+        assert (flags[:, 0] == 0).all().item(), launches
+        assert (flags[:, 1] == 1 + (launches > 1) * 200).all().item()  # each launch advanced every row tile's generation once
+        out.fill_(float("nan"))
+
+
 def _chain_reference(spec, x, w, operands):
     """``spec``'s chain on ``x @ w.T`` in PyTorch, each step rounded to its dtype (on the GPU: the
     NumPy model's GELU is slow at BERT's sizes)."""

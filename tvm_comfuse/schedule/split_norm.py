@@ -25,6 +25,11 @@ is written anyway, a graph that also returns the sum before the norm (a pre-norm
 residual stream) costs nothing more; and as the GEMM kernel takes any chain of casts and adds,
 so do chains the post-norm kernel does not express (a bias-less projection's residual alone).
 Where each runs: :func:`tvm_comfuse.transform.offload_hopper.postnorm_kernel`.
+
+Where one wave of the GEMM's tiles covers the rows (:func:`exchange_problems`), the two kernels
+become one (:func:`exchange_kernel`, :mod:`.row_exchange`): the CTAs of a row tile combine their
+statistics through global memory, and each normalises its staged sum before its one store, so
+the sum makes no round trip either.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import tvm
 from tvm import te
 
 from ..errors import ComFuseError
+from . import row_exchange
 from .chain import np_dtype
 from .staged_store import size
 from .wgmma_elementwise import Elementwise, default_config, problems as gemm_problems, reference as elementwise_reference, wgmma_elementwise
@@ -110,6 +116,28 @@ def kernels(m: int, n: int, k: int, spec: PostNorm, cfg: WgmmaConfig | None = No
     parts = n // cfg.wg_cols
     gemm = wgmma_elementwise(m, n, k, gemm_spec(spec), cfg, lead=lead)
     return gemm, schedule_norm(norm_func(m, n, parts, spec, lead), m, n, spec), parts
+
+
+def exchange_problems(m, n, k, spec: PostNorm, cfg: WgmmaConfig | None = None) -> list:
+    """What keeps the one-kernel form (:func:`exchange_kernel`) from this group (empty if nothing)."""
+    found = problems(m, n, k, spec, cfg)
+    return found or row_exchange.problems(m, n, config(m, n, k, spec, cfg), spec, sum_dtype(spec))
+
+
+def exchange_kernel(m: int, n: int, k: int, spec: PostNorm, cfg: WgmmaConfig | None = None, lead=None):
+    """The split post-norm as one kernel (:mod:`.row_exchange`; tirx, sm_90a): parameters ``(x,
+    w, the added operands..., gamma, beta (LayerNorm), flags, out, stats)``, ``flags`` the
+    ``[row tiles, 2]`` uint32 words of its barriers (:func:`flags_shape`; zero before the first
+    launch, and left so), ``stats`` ``[M, parts, 2]`` float32 scratch (the GEMM kernel's)."""
+    found = exchange_problems(m, n, k, spec, cfg)
+    if found:
+        raise ComFuseError("split post-norm in one kernel cannot take " + "; ".join(found))
+    return wgmma_elementwise(m, n, k, gemm_spec(spec), config(m, n, k, spec, cfg), lead=lead, norm=spec)
+
+
+def flags_shape(m: int, n: int, k: int, spec: PostNorm, cfg: WgmmaConfig | None = None) -> tuple:
+    """The shape of :func:`exchange_kernel`'s ``flags``: two words a row tile."""
+    return (-(-m // config(m, n, k, spec, cfg).bm), 2)
 
 
 def norm_func(m: int, n: int, parts: int, spec: PostNorm, lead=None) -> tvm.tirx.PrimFunc:

@@ -57,17 +57,18 @@ def staged_at(at, dtype: str) -> tuple:
     return lcol // box, lrow, (lcol % box // chunk ^ lrow % 8) * chunk + lcol % chunk
 
 
-def staged_store(cols: int, dtype: str, value, buffers: int = 2):
+def staged_store(cols: int, dtype: str, value, buffers: int = 2, issue: bool = True):
     """The tirx macro ``store(out_map, O, P, acc, wg, tw, row0, col0, buf)``: thread ``tw`` of
     consumer warpgroup ``wg`` writes ``value(P, acc[i], row, col, here)`` (Python, at parse time: the
     epilogue's chain on accumulator ``i`` of its ``64 x cols`` fragment tile, in ``dtype``, at
     global ``(row, col)`` from ``(row0, col0)``; ``here`` is what the element's place in the
     buffer holds before, a tile staged there) into buffer ``buf`` of ``O`` (shaped by
     :func:`buffer_shape`), and the warpgroup's thread 0 stores it to the tensor of ``out_map``
-    (encoded with 64-row boxes of :func:`box_cols` columns) by TMA, one bulk group a tile.
-    ``cols`` is a multiple of the box columns; ``buffers`` the warpgroup alternates (1: it waits
-    until its last store has read the buffer before rewriting it)."""
-    box = box_cols(dtype)
+    (encoded with 64-row boxes of :func:`box_cols` columns) by TMA, one bulk group a tile
+    (:func:`tma_store`; not with ``issue`` False: the kernel rewrites the staged tile first and
+    issues the store itself). ``cols`` is a multiple of the box columns; ``buffers`` the
+    warpgroup alternates (1: it waits until its last store has read the buffer before rewriting it)."""
+    send = tma_store(cols, dtype)
 
     # pylint: disable=invalid-name
     @T.macro
@@ -80,6 +81,22 @@ def staged_store(cols: int, dtype: str, value, buffers: int = 2):
                 lrow, lcol = T.meta_var(fragment(tw, 2 * q + v))
                 at = T.meta_var((buf, wg, *staged_at((lrow, lcol), dtype)))
                 O[at] = value(P, acc[2 * q + v], row0 + lrow, col0 + lcol, O[at])
+        if issue:
+            send(out_map, O, wg, tw, row0, col0, buf)
+
+    return store
+
+
+def tma_store(cols: int, dtype: str):
+    """The tirx macro ``send(out_map, O, wg, tw, row0, col0, buf)``: once every thread of
+    consumer warpgroup ``wg`` has written its share of buffer ``buf`` of ``O``, its thread 0
+    stores the ``64 x cols`` tile to ``(row0, col0)`` of the tensor of ``out_map`` by TMA, one
+    bulk group."""
+    box = box_cols(dtype)
+
+    # pylint: disable=invalid-name
+    @T.macro
+    def send(out_map, O, wg, tw, row0, col0, buf):
         T.ptx["fence.proxy.async.shared::cta"]()  # the writes, visible to the TMA unit
         T.ptx["bar.sync"](T.uint32(STAGE_BARRIER) + T.cast(wg, "uint32"), 128)
         if tw == 0:
@@ -87,7 +104,7 @@ def staged_store(cols: int, dtype: str, value, buffers: int = 2):
                 T.ptx[TMA_STORE](T.address_of(out_map), col0 + b * box, row0, O.ptr_to([buf, wg, b, 0, 0]))
             T.ptx["cp.async.bulk.commit_group"]()
 
-    return store
+    return send
 
 
 def drain():

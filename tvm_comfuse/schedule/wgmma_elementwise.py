@@ -42,7 +42,8 @@ from tvm.script import tirx as T
 
 from ..errors import ComFuseError
 from .chain import ACTIVATIONS, chain_value, np_chain, np_dtype
-from .staged_store import STAGE_BARRIER, box_cols, buffer_shape, drain, size, staged_at, staged_bytes, staged_store
+from . import row_exchange
+from .staged_store import STAGE_BARRIER, box_cols, buffer_shape, drain, size, staged_at, staged_bytes, staged_store, tma_store
 from .wgmma_mainloop import TMA_LOAD, Ring, WgmmaConfig, box_rows, consumer_sync, fragment, mainloop, roles, tensor_map
 from .wgmma_postnorm import SM_COUNT
 
@@ -344,17 +345,25 @@ def statistics(spec: Elementwise, cfg: WgmmaConfig, m: int):
 
 
 def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(), cfg: WgmmaConfig | None = None, lead=None,
-                      stage: bool | None = None):
+                      stage: bool | None = None, norm=None):
     """The fused kernel, a tirx PrimFunc for sm_90a with parameters ``(x[*lead, k], w[n, k],
     operand 0, ..., out)``, ``out`` of ``spec.out_shape(lead, n)``: ``lead`` are the row dimensions (``(m,)`` by default;
     ``(B, S)`` for 3-D activations, read as ``B * S`` rows through 2-D views of the same memory).
     Static shapes, any M, N a multiple of the tile (:func:`problems`). ``stage``: the output
     staged in shared memory and stored by TMA (None: where :func:`stages_output`; False: each
-    thread stores its accumulators, as the head layouts always are)."""
+    thread stores its accumulators, as the head layouts always are).
+
+    ``norm`` (a :class:`~.wgmma_postnorm.PostNorm` whose statistics ``spec.stats`` are): the
+    kernel also normalises each row, its statistics combined across the row tile's CTAs
+    (:mod:`.row_exchange`), and writes ``out`` as the norm; the parameters are then ``(x, w,
+    operands..., gamma, beta (LayerNorm), flags[row tiles, 2] uint32, out, stats)``."""
     found = problems(m, n, k, spec, cfg)
+    cfg = cfg or (None if found else default_config(m, n, k, spec))
+    if norm is not None and not found:
+        found = row_exchange.problems(m, n, cfg, norm, spec.out_dtype)
+        found += [] if spec.stats == norm.norm else [f"row statistics {spec.stats!r} for a {norm.norm}"]
     if found:
         raise ComFuseError("wgmma GEMM + elementwise cannot take " + "; ".join(found))
-    cfg = cfg or default_config(m, n, k, spec)
     lead = tuple(lead or (m,))
     if math.prod(lead) != m:
         raise ComFuseError(f"wgmma GEMM + elementwise: row dimensions {lead} do not multiply to M = {m}")
@@ -381,6 +390,10 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
     store = staged_store(cfg.wg_cols, spec.out_dtype, staged_value)
     wait_stores = drain()
     row_stats = statistics(spec, cfg, m)
+    if norm is not None:  # the sum staged, normalised in place once the row tile's statistics are in, then stored
+        stage_sum = staged_store(cfg.wg_cols, spec.out_dtype, staged_value, issue=False)
+        send = tma_store(cfg.wg_cols, spec.out_dtype)
+        normalize = row_exchange.normalize(norm, cfg, m, n, lambda at: staged_at(at, spec.out_dtype))
 
     def at(row, col):
         """Where ``(row, col)`` of the GEMM's result lies in the output (Python, at parse time)."""
@@ -399,10 +412,13 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
                     out[at(row, col)] = epilogue_value(spec, P, acc[2 * q + j], row, col)
 
     @T.macro
-    def body(x_map, w_map, out_map, P, out, stats, _tile_map):  # (one tile a CTA stages no tile operand)
+    def body(x_map, w_map, out_map, P, out, stats, _tile_map, gamma, beta, flags):  # (one tile a CTA stages no tile operand)
         if cfg.ctas_per_sm > 1:  # __launch_bounds__(threads, ctas_per_sm)
             T.attr({"tirx.launch_bounds_min_blocks_per_sm": cfg.ctas_per_sm})
-        bx, by = T.cta_id([_padded(m, bm) // bm, n // bn])
+        if norm is not None:  # a row tile's CTAs consecutive in the grid (they wait for each other)
+            by, bx = T.cta_id([n // bn, _padded(m, bm) // bm])
+        else:
+            bx, by = T.cta_id([_padded(m, bm) // bm, n // bn])
         if cfg.producer_warps > 0:  # producer warps after the consumers: role 0 all the same, its threads 0, 1, ...
             warp = T.warp_id([cfg.threads // 32])
             lane = T.lane_id([32])
@@ -425,6 +441,15 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
             producer()
             if tw == 0:
                 produce(x_map, w_map, S, S, full, empty, bx * bm, by * bn, 0)
+        elif norm is not None:
+            consumer()
+            consume(S, S, full, empty, acc, da, db, wg - 1, tw, 0)
+            sync(0)  # every consumer warpgroup's wgmmas are done and every load has landed: the ring is free
+            stage_sum(out_map, O, P, acc, wg - 1, tw, row0, col0, 0)
+            row_stats(stats, O, wg - 1, tw, row0, col0)
+            normalize(O, stats, flags, gamma, beta, wg - 1, tw, row0, col0, bx)
+            send(out_map, O, wg - 1, tw, row0, col0, 0)
+            wait_stores(tw)
         elif staged:
             consumer()
             consume(S, S, full, empty, acc, da, db, wg - 1, tw, 0)
@@ -468,7 +493,7 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
             register_store(out, P, acc, tw, row0, col0)
 
     @T.macro
-    def loop_body(x_map, w_map, out_map, P, out, stats, tile_map):
+    def loop_body(x_map, w_map, out_map, P, out, stats, tile_map, _gamma, _beta, _flags):  # (no norm: one tile a CTA)
         bx = T.cta_id([grid])
         wg = T.warpgroup_id([cfg.consumers + 1])
         tw = T.thread_id_in_wg([128])
@@ -525,6 +550,9 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
     # the parameter list depends on the operands: the signature is generated, the body is the macro above
     signature = [("x", (*lead, k), spec.dtype, (m, k)), ("w", (n, k), spec.dtype, None)]
     signature += [(f"p{j}", (*lead, n) if tile else (n,), d, (m, n) if tile else None) for j, (d, tile) in enumerate(spec.operands)]
+    params = [] if norm is None else ["gamma"] + (["beta"] if norm.norm == "layer_norm" else [])
+    signature += [(p, (n,), norm.params_dtype, None) for p in params]
+    signature += [] if norm is None else [("flags", (tiles_m, 2), "uint32", None)]
     signature += [("out", spec.out_shape(lead, n), spec.out_dtype, (m * n,) if spec.layout else (m, n))]
     signature += [("stats", (m, n // cfg.wg_cols, 2), "float32", None)] if spec.stats else []
     lines = [f"def gemm_elementwise({', '.join(f'{p}_h: T.handle' for p, *_ in signature)}):"]
@@ -533,7 +561,8 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
     lines += [f"    encode_{p}({p}_map, {p}_p.data)" for p in maps] + ["    T.device_entry()"]
     lines += [f"    {p} = T.decl_buffer({view}, {dt!r}, data={p}_p.data)" if view else f"    {p} = {p}_p" for p, _, dt, view in signature[2:]]
     operands = ", ".join(f"p{j}" for j in range(len(spec.operands)))
+    extra = "None, None, None" if norm is None else f"gamma, {'beta' if 'beta' in params else 'None'}, flags"
     lines += [f"    body(x_map, w_map, {'out_map' if staged else 'None'}, ({operands}{',' if operands else ''}), out, "
-              f"{'stats' if spec.stats else 'None'}, {'None' if tile_in is None else f'p{tile_in}_map'})"]
+              f"{'stats' if spec.stats else 'None'}, {'None' if tile_in is None else f'p{tile_in}_map'}, {extra})"]
     return tvm.script.from_source("@T.prim_func\n" + "\n".join(lines), extra_vars={
         "T": T, "body": loop_body if persistent(cfg) else body, **{f"encode_{p}": enc for p, enc in maps.items()}})

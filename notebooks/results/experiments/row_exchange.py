@@ -1,0 +1,77 @@
+"""The split post-norm in one kernel: row statistics exchanged across a row tile's CTAs (issue 3).
+
+Why: at BERT's post-norms (4096 tokens, N <= 1024) one wave of 128-row tiles covers the GEMM, and
+both Hopper kernels lose to torch.compile at BERT-base's FFN2 (H100, session 21: split 36.0 us,
+cluster kernel 37.1, torch.compile 34.1), while the split's GEMM with its epilogue took 32.1 and
+its norm kernel ~4. ``schedule/row_exchange.py`` folds the norm kernel into the GEMM's: every CTA
+is resident, so a row tile's CTAs meet at a barrier in global memory once their statistics are
+written, and each normalises its staged sum in place before its one TMA store. No second kernel,
+no sum through HBM, the split GEMM's tiles.
+
+Prediction (H100, device us): the split's GEMM time plus ~1 us for the barrier and the pass over
+the staged tile: BERT-base's FFN2 ~33 (torch.compile ~33-34: a tie or a small win), BERT-large's
+FFN2 (4096 x 4096 -> 1024) ~51.5 against torch.compile's ~53-54 and the split's ~54.6 (a win),
+the attention outputs (4096 x 768 -> 768, 4096 x 1024 -> 1024) under the cluster kernel (13.8,
+19.4-20.7). Correct after the timing's hundreds of launches too (checked again after).
+
+Contenders per shape, one process, on the same inputs: cuBLAS's GEMM alone, torch.compile, the
+cluster kernel (where it takes the shape), the split (two kernels), the one-kernel form.
+
+Run: ``bash .ci/gpu-run notebooks/results/experiments/row_exchange.py`` (``$OUT/row-exchange.json``).
+"""
+
+import sys
+
+import torch
+import tvm
+
+from split_norm import split  # the same directory: sys.path[0] when run as a script
+from wgmma_gemm import build, error_text, measure_postnorm, save, suite_cases, timed
+
+from tvm_comfuse.schedule import split_norm as sn, wgmma_postnorm as wp
+
+#: BERT-base's FFN2 and attention output, BERT-large's FFN2 and attention output (M, K, N)
+SHAPES = [(4096, 3072, 768), (4096, 768, 768), (4096, 4096, 1024), (4096, 1024, 1024)]
+
+
+def exchange(m, n, k, spec, inputs, out, ref, base) -> dict:
+    """The row of the one-kernel form: built, run into a NaN-filled output and checked against
+    ``ref``, timed, then checked again (the barrier's words after hundreds of launches)."""
+    row = dict(base, contender="exchange")
+    try:
+        kernel = build(sn.exchange_kernel(m, n, k, spec))["main"]
+        flags = torch.zeros(sn.flags_shape(m, n, k, spec), device="cuda", dtype=torch.int32)
+        stats = torch.empty(m, n // sn.config(m, n, k, spec).wg_cols, 2, device="cuda")
+        args = [tvm.runtime.from_dlpack(t) for t in (*inputs, flags, out, stats)]
+        errors = []
+        for phase in ("before", "after"):
+            out.fill_(float("nan"))
+            kernel(*args)
+            torch.cuda.synchronize()
+            errors.append(float((out.float() - ref).abs().max()))
+            if phase == "before":
+                timed(row, lambda: kernel(*args))  # noqa: B023
+        row.update(max_abs_err=errors[0], max_abs_err_after_timing=errors[1], count_words_zero=bool((flags[:, 0] == 0).all()))
+    except Exception as err:  # pylint: disable=broad-except
+        row["error"] = error_text(err)
+    text = f"err {row['max_abs_err']:.3g} / {row['max_abs_err_after_timing']:.3g}, {row['kernel_us']:.1f} us device" if "us" in row \
+        else row["error"]
+    print(f"  exchange: {text}", flush=True)
+    return row
+
+
+def main():
+    rows = []
+    shapes = [tuple(map(int, a.split("x"))) for a in sys.argv[1:] if "x" in a] or SHAPES
+    for m, k, n, inputs, ref, base in suite_cases(shapes, 0, rows):
+        spec = wp.PostNorm.suite("float16")
+        out = torch.empty(m, n, device="cuda", dtype=torch.float16)
+        if not wp.problems(m, n, k, spec):
+            rows.append(measure_postnorm(base, inputs, ref, m, n, k, spec, "default", lambda: wp.wgmma_postnorm(m, n, k, spec)))
+        rows.append(split(m, n, k, spec, None, inputs, out, ref, base))
+        rows.append(exchange(m, n, k, spec, inputs, out, ref, base))
+        save("row-exchange.json", rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""A row's statistics combined across the CTAs of its row tile through global memory, in one kernel.
+
+Why: where one wave of 128-row tiles covers the GEMM (BERT's projections at 4096 tokens: 128 CTAs of
+128 x 192 or 128 x 256), the split post-norm (:mod:`.split_norm`) runs the plain GEMM's tiles at
+the plain GEMM's speed, but writes the sum ``y`` to HBM and reads it back in a second kernel; the
+cluster kernel (:mod:`.wgmma_postnorm`) keeps the row on chip but only in 64-row tiles (a cluster
+of two holds 2 x 384 columns), which read W from L2 twice as often. On the H100 at BERT-base's
+FFN2 (4096 x 3072 -> 768, session 21) the split took 36.0 us and the cluster kernel 37.1 against
+torch.compile's 34.1, while the split's GEMM with its epilogue took 32.1. Issue 3 names this
+scheme for wide rows: per-tile partial statistics combined across CTAs. With every CTA of the grid
+resident at once, the CTAs of a row tile can wait for each other: each stages its tile's sum in
+shared memory as the split's GEMM does, writes its rows' statistics over its columns, meets the
+other CTAs of its row tile at a barrier in global memory (:func:`barrier`), reads their statistics
+back (from L2), normalises its staged tile in place and stores the output once. The sum never
+leaves the chip, the tiles are the plain GEMM's, and there is no second kernel.
+
+Forward progress: a CTA waits only for the other CTAs of its row tile, which are consecutive in
+the grid (the column tile varies fastest), so with the CTAs dispatched in order a row tile's CTAs
+are all resident once any SMs are free for them, even where fewer SMs than CTAs are available
+(the same assumption as CUTLASS's stream-K fix-up). The kernel takes only grids of one wave
+(:func:`problems`), so on an idle H100 or H200 every CTA is resident from the start. A barrier
+that has waited 10 s traps (a CUDA error) rather than hang.
+
+The barrier's words, ``[row tiles, 2]`` uint32 (the CTAs arrived, the generation), must be zero
+before the first launch; every launch leaves them so (the last CTA of a row tile to arrive resets
+the count and advances the generation, which its peers wait on). The offload passes a zero
+constant of the module, which the VM keeps on the device across calls
+(:func:`tvm_comfuse.transform.offload_hopper.exchange_call`). Two launches sharing those words
+must not overlap (one stream), as any kernel's workspace.
+"""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+from ..errors import ComFuseError
+from .wgmma_mainloop import CONSUMER_BARRIER, WgmmaConfig, fragment
+from .wgmma_postnorm import SM_COUNT, PostNorm
+
+#: How long a CTA waits at the row tile's barrier before it traps (ns): far beyond any wait of a
+#: resident row tile (a few us), short enough to turn a grid that cannot be resident into an error.
+TIMEOUT_NS = 10_000_000_000
+
+_BARRIER = "comfuse_row_tile_barrier"
+_BARRIER_SOURCE = f"""
+__forceinline__ __device__ void {_BARRIER}(unsigned int* word, unsigned int ctas) {{
+  // word[0]: the CTAs of the row tile arrived in this launch (0 between launches); word[1]: the
+  // generation, advanced by the last to arrive. Called by one thread of each CTA after a CTA
+  // barrier, as cooperative groups' grid sync is.
+  unsigned int gen, old, now;
+  __threadfence();
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(gen) : "l"(word + 1) : "memory");
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(word) : "memory");
+  if (old == ctas - 1) {{
+    asm volatile("st.relaxed.gpu.global.u32 [%0], 0;" :: "l"(word) : "memory");
+    asm volatile("st.release.gpu.global.u32 [%0], %1;" :: "l"(word + 1), "r"(gen + 1) : "memory");
+  }} else {{
+    unsigned long long start, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    do {{
+      __nanosleep(32);
+      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(word + 1) : "memory");
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+      if (t - start > {TIMEOUT_NS}ull) __trap();  // the row tile's CTAs are not all resident
+    }} while (now == gen);
+  }}
+  __threadfence();
+}}
+"""
+_LOAD = "comfuse_load_l2"
+_LOAD_SOURCE = f"""
+__forceinline__ __device__ float {_LOAD}(const float* p) {{
+  return __ldcg(p);  // at L2: another SM wrote it during this kernel
+}}
+"""
+
+
+def problems(m: int, n: int, cfg: WgmmaConfig, spec: PostNorm, sum_dtype: str) -> list:
+    """What keeps the kernel from normalising ``spec``'s rows in the GEMM kernel of configuration
+    ``cfg`` (empty if nothing), beyond what keeps the split's GEMM (:func:`.split_norm.problems`)."""
+    tiles = -(-m // cfg.bm) * (n // cfg.bn)
+    found = []
+    if cfg.persistent or cfg.pingpong or tiles > SM_COUNT:
+        found.append(f"{tiles} tiles of {cfg.bm} x {cfg.bn}{' on persistent CTAs' if cfg.persistent or cfg.pingpong else ''} "
+                     f"(one tile a CTA, at most {SM_COUNT}: every CTA resident at once)")
+    if spec.norm_out or spec.sum_out:
+        found.append("a second output (the float32 norm or the sum): the norm is written once, in place of the sum")
+    if sum_dtype != spec.out_dtype:
+        found.append(f"a sum in {sum_dtype} normalised to {spec.out_dtype} (in place: one dtype)")
+    return found
+
+
+def barrier(flags, tile, ctas: int):
+    """The call by which one thread of its CTA waits until all ``ctas`` CTAs of row tile ``tile``
+    have arrived (``flags``: the ``[row tiles, 2]`` words)."""
+    return T.cuda.func_call(_BARRIER, flags.ptr_to([tile, 0]), T.uint32(ctas), source_code=_BARRIER_SOURCE)
+
+
+def normalize(spec: PostNorm, cfg: WgmmaConfig, m: int, n: int, staged_at):
+    """The tirx macro ``normalize(O, stats, flags, gamma, beta, wg, tw, row0, col0, tile)``: for
+    thread ``tw`` of consumer warpgroup ``wg`` (from 0), whose ``64 x wg_cols`` part of the sum
+    at ``(row0, col0)`` is staged in ``O[0, wg]`` and whose statistics over it are written to
+    ``stats[row, col0 / wg_cols]``: meet the other CTAs of row tile ``tile`` (:func:`barrier`),
+    combine its two rows' ``n / wg_cols`` parts (Chan et al., as the split's norm kernel does:
+    :func:`.split_norm.norm_func`) and rewrite its staged values as ``norm(y) * gamma (+ beta)``
+    in ``spec.out_dtype``, ready for the TMA store. ``staged_at(at)``: where element ``at`` of
+    the part lies in ``O[0, wg]``."""
+    parts, cols, rms = n // cfg.wg_cols, cfg.wg_cols, spec.norm == "rms_norm"
+    if n % cols:
+        raise ComFuseError(f"row exchange: N = {n} is not a multiple of the warpgroup's {cols} columns")
+    acc_n = cols // 2
+    ctas = n // cfg.bn
+
+    def load(stats, row, p, j):
+        return T.cuda.func_call(_LOAD, stats.ptr_to([row, p, j]), source_code=_LOAD_SOURCE, return_type="float32")
+
+    def param(buf, col):
+        return T.cast(buf[col], "float32") if spec.params_dtype != "float32" else buf[col]
+
+    # pylint: disable=invalid-name
+    @T.macro
+    def normalize(O, stats, flags, gamma, beta, wg, tw, row0, col0, tile):
+        T.ptx["bar.sync"](CONSUMER_BARRIER, 128 * cfg.consumers)  # every warpgroup's statistics are written
+        if wg == 0:
+            if tw == 0:
+                T.evaluate(barrier(flags, tile, ctas))
+        T.ptx["bar.sync"](CONSUMER_BARRIER, 128 * cfg.consumers)  # the row tile's CTAs have all written theirs
+        mean = T.alloc_local([2], "float32")
+        rstd = T.alloc_local([2], "float32")
+        for h in T.unroll(2):  # the thread's rows: accumulators 4q + 2h + (0, 1)
+            row = T.meta_var(T.min(row0 + fragment(tw, 2 * h)[0], m - 1))  # rows past M: not stored
+            mean[h] = T.float32(0)
+            for p in T.unroll(parts):
+                mean[h] = mean[h] + load(stats, row, p, 0)
+            mean[h] = mean[h] * T.float32(1.0 / parts)  # of squares, for RMSNorm
+            if rms:
+                rstd[h] = T.rsqrt(mean[h] + T.float32(spec.eps))
+                mean[h] = T.float32(0)
+            else:
+                rstd[h] = T.float32(0)
+                for p in T.unroll(parts):
+                    d = T.meta_var(load(stats, row, p, 0) - mean[h])
+                    rstd[h] = rstd[h] + load(stats, row, p, 1) + T.float32(cols) * d * d
+                rstd[h] = T.rsqrt(rstd[h] * T.float32(1.0 / n) + T.float32(spec.eps))
+        for q in T.unroll(acc_n // 4):
+            for j in T.unroll(2):
+                for h in T.unroll(2):
+                    lrow, lcol = T.meta_var(fragment(tw, 4 * q + 2 * h + j))
+                    at = T.meta_var((0, wg, *staged_at((lrow, lcol))))
+                    v = T.meta_var((T.cast(O[at], "float32") - mean[h]) * rstd[h] * param(gamma, col0 + lcol))
+                    if rms:
+                        O[at] = T.cast(v, spec.out_dtype)
+                    else:
+                        O[at] = T.cast(v + param(beta, col0 + lcol), spec.out_dtype)
+
+    return normalize
