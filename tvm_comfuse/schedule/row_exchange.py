@@ -43,7 +43,8 @@ TIMEOUT_NS = 10_000_000_000
 
 _BARRIER = "comfuse_row_tile_barrier"
 _BARRIER_SOURCE = f"""
-__forceinline__ __device__ void {_BARRIER}(unsigned int* word, unsigned int ctas) {{
+__forceinline__ __device__ void {_BARRIER}(int* flags, unsigned int ctas) {{
+  unsigned int* word = reinterpret_cast<unsigned int*>(flags);
   // word[0]: the CTAs of the row tile arrived in this launch (0 between launches); word[1]: the
   // generation, advanced by the last to arrive. Called by one thread of each CTA after a CTA
   // barrier, as cooperative groups' grid sync is.

@@ -552,7 +552,7 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
     signature += [(f"p{j}", (*lead, n) if tile else (n,), d, (m, n) if tile else None) for j, (d, tile) in enumerate(spec.operands)]
     params = [] if norm is None else ["gamma"] + (["beta"] if norm.norm == "layer_norm" else [])
     signature += [(p, (n,), norm.params_dtype, None) for p in params]
-    signature += [] if norm is None else [("flags", (tiles_m, 2), "uint32", None)]
+    signature += [] if norm is None else [("flags", (tiles_m, 2), "int32", None)]
     signature += [("out", spec.out_shape(lead, n), spec.out_dtype, (m * n,) if spec.layout else (m, n))]
     signature += [("stats", (m, n // cfg.wg_cols, 2), "float32", None)] if spec.stats else []
     lines = [f"def gemm_elementwise({', '.join(f'{p}_h: T.handle' for p, *_ in signature)}):"]
