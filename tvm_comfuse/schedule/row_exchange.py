@@ -21,9 +21,12 @@ are all resident once any SMs are free for them, even where fewer SMs than CTAs 
 (:func:`problems`), so on an idle H100 or H200 every CTA is resident from the start. A barrier
 that has waited 10 s traps (a CUDA error) rather than hang.
 
-The barrier's words, ``[row tiles, 2]`` uint32 (the CTAs arrived, the generation), must be zero
-before the first launch; every launch leaves them so (the last CTA of a row tile to arrive resets
-the count and advances the generation, which its peers wait on). The offload passes a zero
+The barrier's words, ``[row tiles, 2]`` int32, hold a 64-bit count a row tile of its CTAs
+arrived over all launches: a CTA adds one and waits until the count reaches the next multiple of
+the row tile's CTAs, so one atomic and the polls of one word are the whole barrier (no reset: a
+first version that reset the count and advanced a generation word took three more round trips to
+L2 and measured no faster than the split's second kernel). The count must be a multiple of the
+row tile's CTAs before the first launch, and every launch leaves it so; the offload passes a zero
 constant of the module, which the VM keeps on the device across calls
 (:func:`tvm_comfuse.transform.offload_hopper.exchange_call`). Two launches sharing those words
 must not overlap (one stream), as any kernel's workspace.
@@ -44,28 +47,21 @@ TIMEOUT_NS = 10_000_000_000
 _BARRIER = "comfuse_row_tile_barrier"
 _BARRIER_SOURCE = f"""
 __forceinline__ __device__ void {_BARRIER}(int* flags, unsigned int ctas) {{
-  unsigned int* word = reinterpret_cast<unsigned int*>(flags);
-  // word[0]: the CTAs of the row tile arrived in this launch (0 between launches); word[1]: the
-  // generation, advanced by the last to arrive. Called by one thread of each CTA after a CTA
-  // barrier, as cooperative groups' grid sync is.
-  unsigned int gen, old, now;
-  __threadfence();
-  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(gen) : "l"(word + 1) : "memory");
-  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(word) : "memory");
-  if (old == ctas - 1) {{
-    asm volatile("st.relaxed.gpu.global.u32 [%0], 0;" :: "l"(word) : "memory");
-    asm volatile("st.release.gpu.global.u32 [%0], %1;" :: "l"(word + 1), "r"(gen + 1) : "memory");
-  }} else {{
-    unsigned long long start, t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-    do {{
-      __nanosleep(32);
-      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(word + 1) : "memory");
-      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-      if (t - start > {TIMEOUT_NS}ull) __trap();  // the row tile's CTAs are not all resident
-    }} while (now == gen);
-  }}
-  __threadfence();
+  // flags[0:2]: a 64-bit count of the row tile's CTAs arrived, over all launches (a multiple of
+  // ctas between launches). One thread of each CTA calls this after a CTA barrier (as CUTLASS's
+  // GenericBarrier is used): its release covers the CTA's writes, its acquire the peers'.
+  unsigned long long* count = reinterpret_cast<unsigned long long*>(flags);
+  unsigned long long old, now;
+  asm volatile("atom.acq_rel.gpu.global.add.u64 %0, [%1], 1;" : "=l"(old) : "l"(count) : "memory");
+  const unsigned long long target = (old / ctas + 1) * ctas;
+  if (old + 1 == target) return;  // the last to arrive: its acquire saw every peer's release
+  unsigned long long start, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  do {{
+    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(now) : "l"(count) : "memory");
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    if (t - start > {TIMEOUT_NS}ull) __trap();  // the row tile's CTAs are not all resident
+  }} while (now < target);
 }}
 """
 _LOAD = "comfuse_load_l2"

@@ -28,18 +28,24 @@ import tvm
 from split_norm import split  # the same directory: sys.path[0] when run as a script
 from wgmma_gemm import build, error_text, measure_postnorm, save, suite_cases, timed
 
-from tvm_comfuse.schedule import split_norm as sn, wgmma_postnorm as wp
+from tvm_comfuse.schedule import row_exchange, split_norm as sn, wgmma_postnorm as wp
 
 #: BERT-base's FFN2 and attention output, BERT-large's FFN2 and attention output (M, K, N)
 SHAPES = [(4096, 3072, 768), (4096, 768, 768), (4096, 4096, 1024), (4096, 1024, 1024)]
 
 
-def exchange(m, n, k, spec, inputs, out, ref, base) -> dict:
+def exchange(m, n, k, spec, inputs, out, ref, base, contender="exchange") -> dict:
     """The row of the one-kernel form: built, run into a NaN-filled output and checked against
-    ``ref``, timed, then checked again (the barrier's words after hundreds of launches)."""
-    row = dict(base, contender="exchange")
+    ``ref``, timed, then checked again (the barrier's words after hundreds of launches).
+    ``exchange_no_barrier``, a diagnostic: the barrier a no-op (its CTAs read statistics their
+    peers may not have written yet: the error is recorded, not a result), what the rest costs."""
+    row = dict(base, contender=contender)
+    source = row_exchange._BARRIER_SOURCE  # pylint: disable=protected-access
     try:
+        if contender == "exchange_no_barrier":
+            row_exchange._BARRIER_SOURCE = source[:source.index("{") + 1] + "}"  # pylint: disable=protected-access
         kernel = build(sn.exchange_kernel(m, n, k, spec))["main"]
+        row_exchange._BARRIER_SOURCE = source  # pylint: disable=protected-access
         flags = torch.zeros(sn.flags_shape(m, n, k, spec), device="cuda", dtype=torch.int32)
         stats = torch.empty(m, n // sn.config(m, n, k, spec).wg_cols, 2, device="cuda")
         args = [tvm.runtime.from_dlpack(t) for t in (*inputs, flags, out, stats)]
@@ -51,12 +57,30 @@ def exchange(m, n, k, spec, inputs, out, ref, base) -> dict:
             errors.append(float((out.float() - ref).abs().max()))
             if phase == "before":
                 timed(row, lambda: kernel(*args))  # noqa: B023
-        row.update(max_abs_err=errors[0], max_abs_err_after_timing=errors[1], count_words_zero=bool((flags[:, 0] == 0).all()))
+        ctas = n // sn.config(m, n, k, spec).bn
+        row.update(max_abs_err=errors[0], max_abs_err_after_timing=errors[1],
+                   counts_whole=bool((flags.view(torch.int64)[:, 0] % ctas == 0).all()))
     except Exception as err:  # pylint: disable=broad-except
         row["error"] = error_text(err)
+    row_exchange._BARRIER_SOURCE = source  # pylint: disable=protected-access
     text = f"err {row['max_abs_err']:.3g} / {row['max_abs_err_after_timing']:.3g}, {row['kernel_us']:.1f} us device" if "us" in row \
         else row["error"]
-    print(f"  exchange: {text}", flush=True)
+    print(f"  {contender}: {text}", flush=True)
+    return row
+
+
+def split_gemm(m, n, k, spec, inputs, base) -> dict:
+    """The split's GEMM kernel alone (the sum and its statistics): what the one-kernel form adds to."""
+    row = dict(base, contender="split_gemm")
+    try:
+        gemm = build(sn.kernels(m, n, k, spec)[0])["main"]
+        y = torch.empty(m, n, device="cuda", dtype=inputs[0].dtype)
+        stats = torch.empty(m, n // sn.config(m, n, k, spec).wg_cols, 2, device="cuda")
+        args = [tvm.runtime.from_dlpack(t) for t in (*inputs[:4], y, stats)]
+        timed(row, lambda: gemm(*args))
+    except Exception as err:  # pylint: disable=broad-except
+        row["error"] = error_text(err)
+    print(f"  split_gemm: {row.get('kernel_us', row.get('error'))}", flush=True)
     return row
 
 
@@ -70,6 +94,8 @@ def main():
             rows.append(measure_postnorm(base, inputs, ref, m, n, k, spec, "default", lambda: wp.wgmma_postnorm(m, n, k, spec)))
         rows.append(split(m, n, k, spec, None, inputs, out, ref, base))
         rows.append(exchange(m, n, k, spec, inputs, out, ref, base))
+        rows.append(exchange(m, n, k, spec, inputs, out, ref, base, "exchange_no_barrier"))
+        rows.append(split_gemm(m, n, k, spec, inputs, base))
         save("row-exchange.json", rows)
 
 
