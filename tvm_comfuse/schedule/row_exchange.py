@@ -111,12 +111,21 @@ def normalize(spec: PostNorm, cfg: WgmmaConfig, m: int, n: int, staged_at):
     def load(stats, row, p, j):
         return T.cuda.func_call(_LOAD, stats.ptr_to([row, p, j]), source_code=_LOAD_SOURCE, return_type="float32")
 
-    def param(buf, col):
-        return T.cast(buf[col], "float32") if spec.params_dtype != "float32" else buf[col]
+    def wide(v):
+        return T.cast(v, "float32") if spec.params_dtype != "float32" else v
 
     # pylint: disable=invalid-name
     @T.macro
     def normalize(O, stats, flags, gamma, beta, wg, tw, row0, col0, tile):
+        # the thread's columns of gamma and beta (its accumulators 4q + 2h + j share column 8q +
+        # 2 (tw % 4) + j), loaded before the barrier: their round trip overlaps the wait
+        gs = T.alloc_local([acc_n // 2], spec.params_dtype)
+        bs = T.alloc_local([acc_n // 2], spec.params_dtype)
+        for q in T.unroll(acc_n // 4):
+            for j in T.vectorized(2):
+                gs[2 * q + j] = gamma[col0 + fragment(tw, 4 * q + j)[1]]
+                if not rms:
+                    bs[2 * q + j] = beta[col0 + fragment(tw, 4 * q + j)[1]]
         T.ptx["bar.sync"](CONSUMER_BARRIER, 128 * cfg.consumers)  # every warpgroup's statistics are written
         if wg == 0:
             if tw == 0:
@@ -144,10 +153,10 @@ def normalize(spec: PostNorm, cfg: WgmmaConfig, m: int, n: int, staged_at):
                 for h in T.unroll(2):
                     lrow, lcol = T.meta_var(fragment(tw, 4 * q + 2 * h + j))
                     at = T.meta_var((0, wg, *staged_at((lrow, lcol))))
-                    v = T.meta_var((T.cast(O[at], "float32") - mean[h]) * rstd[h] * param(gamma, col0 + lcol))
+                    v = T.meta_var((T.cast(O[at], "float32") - mean[h]) * rstd[h] * wide(gs[2 * q + j]))
                     if rms:
                         O[at] = T.cast(v, spec.out_dtype)
                     else:
-                        O[at] = T.cast(v + param(beta, col0 + lcol), spec.out_dtype)
+                        O[at] = T.cast(v + wide(bs[2 * q + j]), spec.out_dtype)
 
     return normalize
