@@ -491,6 +491,41 @@ def test_gpu_row_exchange_postnorm_matches_torch(M, N, K, dtype, norm):
         out.fill_(float("nan"))
 
 
+@pytest.mark.parametrize("M, K, N, groups", [
+    (4096, 4096, 1024, None),  # BERT-large's FFN2: K of 4096 runs split by default, one wave: one kernel
+    (4096, 768, 768, ("post_norm", "split_norm")),  # BERT-base's attention output, split on request
+    (8192, 4096, 4096, None),  # gpt-4k: more than a wave, the GEMM and norm kernels
+])
+def test_gpu_compiled_split_postnorm_runs_in_one_kernel_where_one_wave_covers_the_rows(M, K, N, groups):
+    """Through ``get_pipeline`` and the VM: the split post-norm is one kernel where one wave of
+    tiles covers the rows (its barrier's words a constant of the module, kept on the device
+    across calls), else two; the output matches PyTorch's on five calls in a row, the inputs
+    changed between them."""
+    import tvm  # pylint: disable=import-outside-toplevel
+
+    from tvm_comfuse.schedule import split_norm as sn, wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
+
+    _need_sm90(tvm)
+    mod = wl.post_norm(M, K, N, "float16", "layer_norm", linear=True)
+    target = tvm.target.Target.from_device(tvm.cuda(0))
+    ex = runtime.compile_module(mod, target, hopper=True, hopper_groups=groups)
+    names = codegen.kernel_names(codegen.cuda_source(ex))
+    one = not sn.exchange_problems(M, N, K, wp.PostNorm.suite("float16"))
+    assert one == (M * N < 8192 * 4096)
+    if one:
+        assert any("_exchange" in name for name in names), names
+    else:
+        assert sum(name.endswith(("_gemm_kernel", "_norm_kernel")) for name in names) == 2, names
+    vm = tvm.relax.VirtualMachine(ex, tvm.cuda(0))
+    f = torch.nn.functional
+    for call in range(5):
+        x, w, b, r, g, be = _inputs(M + call, K, N, "float16", linear=True)
+        x, r = x[:M], r[:M] + call
+        (out,) = [torch.from_dlpack(vm["main"](*[tvm.runtime.from_dlpack(t.contiguous()) for t in (x, w, b, r, g, be)]))]
+        ref = f.layer_norm(x.float() @ w.float().T + b.float() + r.float(), (N,), g.float(), be.float())
+        assert (out.float() - ref).abs().max().item() <= TOL["float16"], call
+
+
 def _chain_reference(spec, x, w, operands):
     """``spec``'s chain on ``x @ w.T`` in PyTorch, each step rounded to its dtype (on the GPU: the
     NumPy model's GELU is slow at BERT's sizes)."""

@@ -30,7 +30,8 @@ def _groups(mod, target=SM90A):
 
 def _numpy_kernels(calls):
     """A ``build`` for the pass that registers the kernel's NumPy model under its symbol: the
-    post-norm kernel's, or a split post-norm's GEMM with row statistics and its norm."""
+    post-norm kernel's, a split post-norm's GEMM with row statistics and its norm, or the split's
+    one-kernel form."""
 
     def build(_func, symbol, spec, _mnk):
         def run(*args):
@@ -38,6 +39,11 @@ def _numpy_kernels(calls):
                 n_out = 2 if spec.spec.norm_out else 1
                 y, stats, gamma, *beta = [a.numpy() for a in args[:-n_out]]
                 values = sn.reference_norm(spec.spec, y, stats, gamma, *beta, lead=y.shape[:-1])
+            elif isinstance(spec, sn.ExchangeKernel):  # the split in one kernel: the norm, then its scratch statistics
+                n_out = 2
+                x, w, *rest = [a.numpy() for a in args[:-3]]  # (then the barrier's words)
+                ops, params = rest[:len(spec.spec.operands)], rest[len(spec.spec.operands):]
+                values = sn.reference_exchange(spec.spec, x, w, ops, spec.parts, *params)
             elif isinstance(spec, we.Elementwise):  # the split GEMM: y, then its row statistics
                 n_out = 2
                 y = we.reference(spec, *[a.numpy() for a in args[:-2]])
@@ -141,14 +147,15 @@ def test_offloaded_bert_layer_keeps_both_outputs_of_the_attention_block():
     float32 norm beside its fp16 cast (the kernel's second output), and the encoder's output
     matches vanilla TVM's (within its fp16 accumulation), with each group run split too, to
     within 1e-3 of the post-norm kernel (its chain ends in an fp32 residual add, which the split
-    GEMM must apply: session 17 first dropped it)."""
+    GEMM must apply: session 17 first dropped it): the attention's group, with its second output,
+    as the GEMM and norm kernels, the other as one kernel (one wave of tiles covers its rows)."""
     mod, _params, _module, _example = wl.bert_encoder(layers=1, hidden=256, heads=4, batch=2, seq=32, dtype="float16")
     arrays = _random(mod["main"].params)
     grouped, groups = _groups(mod, "llvm")
     found = [match_postnorm(f) for f in groups]
     assert sorted(m[0].norm_out for m in found if m) == [False, True]
     want, got = _run_llvm(mod, arrays), {}
-    for split, kernels in ((False, 2), (True, 4)):  # the post-norm kernel, or each group split (hopper_groups' "split_norm")
+    for split, kernels in ((False, 2), (True, 3)):  # the post-norm kernel, or each group split (hopper_groups' "split_norm")
         calls = []
         got[split] = _run_llvm(OffloadHopperPostNorm("llvm", build=_numpy_kernels(calls), split=split)(grouped), arrays)
         assert len(set(calls)) == kernels
@@ -247,20 +254,46 @@ def test_long_k_post_norms_run_split_and_walk_row_groups_where_x_outgrows_l2():
 
 @pytest.mark.parametrize("dtype, norm, batch", [("float16", "layer_norm", None), ("bfloat16", "rms_norm", 2)])
 def test_rows_wider_than_a_cluster_split_into_a_gemm_with_row_statistics_and_a_norm(dtype, norm, batch):
-    """N = 8192 (no cluster holds the row): the group becomes the GEMM kernel writing the sum
-    and each row's statistics over its 256-column parts, then the norm kernel combining them;
-    with both kernels' NumPy models in place the graph gives vanilla TVM's answer (the residual's
-    mean far from 0: a naive sum of squares would cancel)."""
-    mod = wl.post_norm(64 if batch is None else 32, 64, 8192, dtype, norm, linear=True, batch=batch)
+    """N = 8192 (no cluster holds the row), rows over more than one wave of tiles: the group
+    becomes the GEMM kernel writing the sum and each row's statistics over its 256-column parts,
+    then the norm kernel combining them; with both kernels' NumPy models in place the graph gives
+    vanilla TVM's answer (the residual's mean far from 0: a naive sum of squares would cancel)."""
+    mod = wl.post_norm(1024 if batch is None else 512, 64, 8192, dtype, norm, linear=True, batch=batch)
     arrays = _random(mod["main"].params)
     arrays[3] = (arrays[3].astype(np.float32) + 4).astype(arrays[3].dtype)  # the residual
-    assert wp.problems(64, 8192, 64, wp.PostNorm.suite(dtype, norm))  # the one-kernel post-norm cannot
+    assert wp.problems(1024, 8192, 64, wp.PostNorm.suite(dtype, norm))  # the one-kernel post-norm cannot
+    assert sn.exchange_problems(1024, 8192, 64, wp.PostNorm.suite(dtype, norm))  # nor the split's one-kernel form
     grouped, _ = _groups(mod, "llvm")
     calls = []
     offloaded = OffloadHopperPostNorm("llvm", build=_numpy_kernels(calls))(grouped)
     assert offloaded["main"].script().count("call_dps_packed") == 2
     (got,), (want,) = _run_llvm(offloaded, arrays), _run_llvm(mod, arrays)
     assert len(calls) == 2 and calls[0].endswith("_gemm") and calls[1].endswith("_norm")
+    assert np.abs(got - want).max() <= {"float16": 2e-2, "bfloat16": 2e-1}[dtype]
+
+
+@pytest.mark.parametrize("dtype, norm, batch", [("float16", "layer_norm", None), ("bfloat16", "rms_norm", 2)])
+def test_rows_one_wave_covers_run_split_in_one_kernel(dtype, norm, batch):
+    """N = 8192 over 64 rows: one wave of tiles, so the split post-norm is one kernel
+    (``row_exchange``: the row tile's CTAs combine their statistics themselves), called with the
+    barrier's words as a zero constant of the module and its statistics as scratch; with its
+    NumPy model in place the graph gives vanilla TVM's answer. Rows over more than a wave keep
+    the two kernels (the test above)."""
+    mod = wl.post_norm(64 if batch is None else 32, 64, 8192, dtype, norm, linear=True, batch=batch)
+    arrays = _random(mod["main"].params)
+    arrays[3] = (arrays[3].astype(np.float32) + 4).astype(arrays[3].dtype)  # the residual
+    spec = wp.PostNorm.suite(dtype, norm)
+    assert wp.problems(64, 8192, 64, spec) and not sn.exchange_problems(64, 8192, 64, spec)
+    grouped, _ = _groups(mod, "llvm")
+    calls = []
+    offloaded = OffloadHopperPostNorm("llvm", build=_numpy_kernels(calls))(grouped)
+    (call,) = [b.value for block in offloaded["main"].body.blocks for b in block.bindings
+               if isinstance(b.value, relax.Call) and b.value.op.name == "relax.call_dps_packed"]
+    flags = call.args[1].fields[-1]  # (the call's inputs, then its barrier's words)
+    assert isinstance(flags, tvm.ir.expr.Constant) and not flags.value.numpy().any()
+    assert tuple(flags.value.shape) == sn.flags_shape(64, 8192, 64, spec) and flags.value.dtype == "int32"
+    (got,), (want,) = _run_llvm(offloaded, arrays), _run_llvm(mod, arrays)
+    assert len(calls) == 1 and not calls[0].endswith(("_gemm", "_norm"))
     assert np.abs(got - want).max() <= {"float16": 2e-2, "bfloat16": 2e-1}[dtype]
 
 
@@ -287,12 +320,16 @@ def test_the_split_norm_kernel_computes_the_norm_from_the_row_statistics_on_llvm
 def test_sm90a_compile_splits_rows_wider_than_a_cluster():
     """On sm_90a an RMSNorm over rows of 8192 compiles to the wgmma GEMM kernel writing the
     row statistics and the norm kernel (nvcc accepts both), where the post-norm kernel alone
-    cannot take it."""
-    ex = runtime.compile_module(wl.post_norm(256, 256, 8192, "bfloat16", "rms_norm", linear=True), SM90A)
+    cannot take it; where one wave of tiles covers the rows, to one kernel that combines the
+    statistics across each row tile's CTAs (a 64-bit count and its polls)."""
+    ex = runtime.compile_module(wl.post_norm(1024, 256, 8192, "bfloat16", "rms_norm", linear=True), SM90A)
     source = codegen.cuda_source(ex)
     names = sorted(codegen.kernel_names(source))
     assert len(names) == 2 and names[0].endswith("_gemm_kernel") and names[1].endswith("_norm_kernel")
     assert "stats" in source and "wgmma.mma_async" in source
+    source = codegen.cuda_source(runtime.compile_module(wl.post_norm(256, 256, 8192, "bfloat16", "rms_norm", linear=True), SM90A))
+    assert len(codegen.kernel_names(source)) == 1 and "wgmma.mma_async" in source
+    assert "atom.acq_rel.gpu.global.add.u64" in source and "ld.acquire.gpu.global.u64" in source
 
 
 @pytest.mark.parametrize("batch", [None, 2])
@@ -341,15 +378,20 @@ def test_a_llama_style_block_without_bias_runs_split():
 
 def test_split_norm_is_opt_in_and_then_splits_what_the_cluster_kernel_would_take():
     """``hopper_groups`` with ``"split_norm"`` (not among the defaults until measured) runs a
-    post-norm the cluster kernel takes as the split kernels instead, with the same answer."""
+    post-norm the cluster kernel takes as the split kernels instead, with the same answer: as
+    their one-kernel form where one wave of tiles covers the rows (64 rows), else as two (16384)."""
     assert "split_norm" in cf.pipeline.HOPPER_GROUPS and "split_norm" not in cf.pipeline.DEFAULT_HOPPER_GROUPS
     passes = cf.pipeline.fusion_passes(tvm.target.Target(SM90A), hopper_groups=("split_norm",))
     assert [p.split for p in passes if isinstance(p, OffloadHopperPostNorm)] == [True]
-    mod = wl.post_norm(64, 128, 512, "float16", "layer_norm", linear=True)
-    arrays = _random(mod["main"].params)
-    grouped, _ = _groups(mod, "llvm")
-    for split, kernels in ((False, 1), (True, 2)):
-        calls = []
-        (got,), (want,) = _run_llvm(OffloadHopperPostNorm("llvm", build=_numpy_kernels(calls), split=split)(grouped), arrays), \
-            _run_llvm(mod, arrays)
-        assert len(calls) == kernels and np.abs(got - want).max() <= 2e-2
+    for m, split_kernels in ((64, 1), (16384, 2)):
+        mod = wl.post_norm(m, 128, 512, "float16", "layer_norm", linear=True)
+        arrays = _random(mod["main"].params)
+        grouped, _ = _groups(mod, "llvm")
+        symbols = {}
+        for split, kernels in ((False, 1), (True, split_kernels)):
+            calls = []
+            (got,), (want,) = _run_llvm(OffloadHopperPostNorm("llvm", build=_numpy_kernels(calls), split=split)(grouped), arrays), \
+                _run_llvm(mod, arrays)
+            symbols[split] = calls
+            assert len(calls) == kernels and np.abs(got - want).max() <= 2e-2
+        assert not set(symbols[False]) & set(symbols[True])

@@ -62,6 +62,15 @@ class NormKernel:
     parts: int
 
 
+@dataclass(frozen=True)
+class ExchangeKernel:
+    """The one-kernel form of a split post-norm ``spec`` (:func:`exchange_kernel`) whose rows'
+    statistics come in ``parts``: what the offload hands its kernel builder beside the PrimFunc."""
+
+    spec: PostNorm
+    parts: int
+
+
 def sum_steps(spec: PostNorm) -> tuple:
     """The chain steps whose value the GEMM kernel writes: all of them, but a last cast to fp32
     of a 16-bit value (the norm's input is then that value widened: written in 16 bits, it loses
@@ -138,6 +147,13 @@ def exchange_kernel(m: int, n: int, k: int, spec: PostNorm, cfg: WgmmaConfig | N
 def flags_shape(m: int, n: int, k: int, spec: PostNorm, cfg: WgmmaConfig | None = None) -> tuple:
     """The shape of :func:`exchange_kernel`'s ``flags``: two words a row tile."""
     return (-(-m // config(m, n, k, spec, cfg).bm), 2)
+
+
+def reference_exchange(spec: PostNorm, x, w, operands, parts: int, gamma, beta=None):
+    """NumPy model of :func:`exchange_kernel`: ``(out, stats)`` (the norm as the split's kernels
+    compute it, from the same rounded sum and statistics)."""
+    y, stats = reference_gemm(spec, x, w, operands, parts)
+    return reference_norm(spec, y, stats, gamma, beta, lead=x.shape[:-1])[0], stats
 
 
 def norm_func(m: int, n: int, parts: int, spec: PostNorm, lead=None) -> tvm.tirx.PrimFunc:

@@ -16,7 +16,9 @@ kernel cannot take (M not a multiple of 64, symbolic shapes) is left alone: the 
 rule schedules it as before. Rows wider than a cluster's slices hold (N > 4096), and blocks
 that also return the sum before the norm (a pre-norm block's residual stream), run split
 (:mod:`~tvm_comfuse.schedule.split_norm`): the GEMM kernel writes the sum and its row
-statistics, a norm kernel follows, two ``call_dps_packed`` in place of the group's call. On by
+statistics, a norm kernel follows, two ``call_dps_packed`` in place of the group's call; where
+one wave of the GEMM's tiles covers the rows and the norm is the only output, one kernel whose
+CTAs combine their statistics themselves (:mod:`~tvm_comfuse.schedule.row_exchange`). On by
 default for sm_90 targets (``get_pipeline(target, hopper=False)`` turns it off), where it
 measured faster than the rule on every suite shape (H200, session 8).
 """
@@ -452,8 +454,9 @@ class OffloadHopperPostNorm(HopperOffload):  # pylint: disable=too-few-public-me
             offloads[gv.name_hint] = (symbol, roles, out_shape, spec.out_dtype, order)
         if not offloads:
             return mod
-        LOG.info("ComFuse: %d post-norm group(s) run as %d wgmma kernel(s) (%d of them split into a GEMM with row statistics "
-                 "and a norm kernel)", len(offloads), len(kernels.symbols), len(offloads) - whole)
+        LOG.info("ComFuse: %d post-norm group(s) run as %d wgmma kernel(s) (%d of them split: the row statistics in the GEMM's "
+                 "epilogue, combined by a norm kernel or, within one wave, by the GEMM's CTAs)", len(offloads), len(kernels.symbols),
+                 len(offloads) - whole)
         self.report_tuned(tuned, len(offloads), "wgmma post-norm groups")
         return replace_calls(mod, offloads, kernels.modules)
 
@@ -461,11 +464,14 @@ class OffloadHopperPostNorm(HopperOffload):  # pylint: disable=too-few-public-me
 def split_call(kernels: Kernels, name: str, found, cfg=None):
     """Build a split post-norm's two kernels (:mod:`~tvm_comfuse.schedule.split_norm`: the GEMM
     with the chain and the row statistics, on configuration ``cfg`` (None: the default), then
-    the norm) and return what emits their calls in place of the group's: ``emit(block_builder,
-    the group call's args)``."""
+    the norm), or its one-kernel form where that takes the group (:func:`exchange_call`), and
+    return what emits their calls in place of the group's: ``emit(block_builder, the group
+    call's args)``."""
     from ..schedule import split_norm as sn  # pylint: disable=import-outside-toplevel
 
     spec, roles, (m, n, k), out_shape, order = found
+    if not sn.exchange_problems(m, n, k, spec, cfg):
+        return exchange_call(kernels, name, found, cfg)
     lead = tuple(out_shape[:-1])
     built = {}
 
@@ -493,6 +499,39 @@ def split_call(kernels: Kernels, name: str, found, cfg=None):
         if "sum" in order:
             return relax.Tuple([normed if part == "out" else y for part in order])
         return relax.Tuple([relax.TupleGetItem(normed, ("out", "norm").index(part)) for part in order])
+
+    return emit
+
+
+def exchange_call(kernels: Kernels, name: str, found, cfg=None):
+    """Build the one-kernel form of a split post-norm (:func:`~tvm_comfuse.schedule.split_norm.exchange_kernel`:
+    one wave of the GEMM's tiles, a row tile's CTAs combining their statistics at a barrier in
+    global memory) and return what emits its call in place of the group's. Measured on the H100
+    (session 22, ``experiments/row_exchange.py``, device us, against the split's two kernels):
+    BERT-base's FFN2 34.0 / 35.8 and 34.8 / 36.2, its attention output 14.9 / 15.9 and 14.8 /
+    16.0, BERT-large's attention output 21.3 / 24.3 and 21.0 / 23.9, its FFN2 55.9 / 54.6, then,
+    gamma and beta loaded before the barrier, 54.2 / 54.8.
+
+    The barrier's words are a zero constant of the module, one per call (a count that every
+    launch leaves a multiple of the row tile's CTAs; :mod:`~tvm_comfuse.schedule.row_exchange`),
+    which the VM keeps on the device; the statistics are the call's scratch output."""
+    import numpy as np  # pylint: disable=import-outside-toplevel
+
+    from ..schedule import split_norm as sn  # pylint: disable=import-outside-toplevel
+
+    spec, roles, (m, n, k), out_shape, order = found
+    assert order == ("out",), order  # (exchange_problems: no second output)
+    lead = tuple(out_shape[:-1])
+    parts = n // sn.config(m, n, k, spec, cfg).wg_cols
+    symbol = kernels.symbol(("exchange", spec, (m, n, k), lead, cfg), f"{name}_exchange", lambda: sn.exchange_kernel(m, n, k, spec, cfg, lead=lead),
+                            sn.ExchangeKernel(spec, parts), (m, n, k))
+    flags_shape = sn.flags_shape(m, n, k, spec, cfg)
+
+    def emit(bb, args):
+        flags = relax.const(np.zeros(flags_shape, "int32"))  # one per call: no two kernels share a count
+        both = bb.emit(relax.call_dps_packed(relax.ExternFunc(symbol), relax.Tuple([*(args[i] for i in roles), flags]), [
+            relax.TensorType(out_shape, spec.out_dtype), relax.TensorType([m, parts, 2], "float32")]))
+        return relax.TupleGetItem(both, 0)
 
     return emit
 
