@@ -311,11 +311,12 @@ def test_an_exported_pytorch_pre_norm_stack_reaches_the_hopper_kernels():
     """A pre-norm residual stream exported from PyTorch (:func:`~tvm_comfuse.workloads.prenorm_stack`:
     ``h = h + proj(n); n = RMSNorm(h)``, ``torch.nn.RMSNorm`` arriving written out): FoldRMSNorm
     folds each norm, and on sm_90 each projection's group runs split, those that keep the stream
-    ``h`` for the next layer and the last, whose bias-less chain the post-norm kernel does not
-    express."""
+    ``h`` for the next layer as the GEMM and norm kernels, and the last, whose bias-less chain the
+    post-norm kernel does not express, as the split's one-kernel form (one wave covers its rows)."""
     pytest.importorskip("torch")
     mod = wl.prenorm_stack(layers=3)[0]
     assert "R.power" in mod["main"].script()
     groups = [g for g in cf.analyze(mod, {"kind": "cuda", "arch": "sm_90a"}) if g.fused]
-    assert len(groups) == 3 and all("relax.nn.rms_norm" in g.ops and "then a norm kernel" in g.note for g in groups)
-    assert sorted(len(g.outputs) for g in groups) == [1, 2, 2]
+    assert len(groups) == 3 and all("relax.nn.rms_norm" in g.ops for g in groups)
+    assert sorted((len(g.outputs), "then a norm kernel" in g.note, "one Hopper wgmma kernel" in g.note) for g in groups) == \
+        [(1, False, True), (2, True, False), (2, True, False)]

@@ -103,10 +103,12 @@ class _WidenHalfPrecision(PyExprMutator):  # pylint: disable=abstract-method
 _HALF = ("float16", "bfloat16")
 #: What :func:`analyze` says of a group each Hopper post-norm kernel takes.
 _HOPPER_NOTES = {"cluster": "runs as the Hopper wgmma post-norm kernel",
-                 "split": "runs as the Hopper wgmma GEMM with its row statistics in the epilogue, combined by a norm kernel "
-                          "or, where one wave of tiles covers the rows, by the GEMM's CTAs (K of 4096 or more, where it "
-                          "measured faster, or where the post-norm kernel cannot: rows wider than a cluster holds, the sum "
-                          "returned too, or a chain without a bias)"}
+                 "split": "runs as the Hopper wgmma GEMM with its row statistics in the epilogue, then a norm kernel "
+                          "(K of 4096 or more, where it measured faster, or where the post-norm kernel cannot: rows wider "
+                          "than a cluster holds, the sum returned too, or a chain without a bias)",
+                 "exchange": "runs as one Hopper wgmma kernel: the GEMM with its row statistics in the epilogue, combined "
+                             "across each row tile's CTAs (one wave of tiles covers the rows) before the norm is stored (where "
+                             "the split runs: K of 4096 or more, rows wider than a cluster holds, or a chain without a bias)"}
 
 
 def _canonical(func: relax.Function) -> relax.Function:

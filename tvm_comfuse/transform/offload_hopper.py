@@ -271,9 +271,13 @@ def postnorm_kernel(m, n, k, spec, split: bool = False) -> tuple:
 
 def hopper_takes(func: relax.Function, target: tvm.target.Target) -> str | None:
     """The Hopper kernel (:func:`postnorm_kernel`) :class:`OffloadHopperPostNorm` replaces the
-    outlined group ``func`` by on ``target``, or None."""
+    outlined group ``func`` by on ``target``, or None; ``"exchange"`` for a split one that runs
+    as one kernel untuned (:func:`exchange_call`)."""
+    from ..schedule import split_norm as sn  # pylint: disable=import-outside-toplevel
+
     found = match_postnorm(func) if is_hopper(target) else None
-    return postnorm_kernel(*found[2], found[0])[0] if found is not None else None
+    kernel = postnorm_kernel(*found[2], found[0])[0] if found is not None else None
+    return "exchange" if kernel == "split" and not sn.exchange_problems(*found[2], found[0]) else kernel
 
 
 def dataflow_blocks(mod: tvm.IRModule):
