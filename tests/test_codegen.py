@@ -414,6 +414,37 @@ def test_split_postnorm_kernels_write_row_statistics_from_the_staged_sum(m, n, d
     assert codegen.ptxas_usage(source)["spill"] == 0
 
 
+@pytest.mark.parametrize("m, n, k, dtype, norm", [(4096, 768, 3072, "float16", "layer_norm"), (4096, 1024, 4096, "float16", "layer_norm"),
+                                                  (1000, 1024, 768, "bfloat16", "rms_norm")])
+def test_split_postnorm_in_one_kernel_meets_its_row_tile_once_and_normalises_on_chip(m, n, k, dtype, norm):
+    """The split post-norm's one-kernel form (``row_exchange``), where one wave of tiles covers the
+    rows: no spills, no accumulator read before the last wgmma wait, one 64-bit atomic a CTA and
+    its polls (acquire), the peers' statistics read at L2 (``ld.global.cg``: another SM wrote
+    them), gamma and beta loaded before the barrier, and the norm stored by TMA with no
+    per-thread global store but the statistics'. Grids of more than a wave, persistent CTAs and
+    second outputs are refused with what to do."""
+    from tvm_comfuse.errors import ComFuseError  # pylint: disable=import-outside-toplevel
+    from tvm_comfuse.schedule import split_norm as sn, wgmma_mainloop as wm, wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
+
+    spec = wp.PostNorm.suite(dtype, norm)
+    source = codegen.cuda_source(wm.build(sn.exchange_kernel(m, n, k, spec)))
+    assert codegen.ptxas_usage(source)["spill"] == 0
+    ptx = codegen.compile_with_nvcc(source, "sm_90a", fmt="ptx").decode()
+    body = ptx[ptx.index(".entry"):]
+    assert body.count("atom.acq_rel.gpu.global.add.u64") == 1 and "ld.acquire.gpu.global.u64" in body
+    parts = n // sn.config(m, n, k, spec).wg_cols
+    assert body.count("ld.global.cg.f32") == 2 * parts * (1 if norm == "rms_norm" else 2)  # two rows' parts (and M2s)
+    assert body.index("ld.global") < body.index("atom.acq_rel")  # gamma (and beta) before the barrier
+    stores = [line for line in body.splitlines() if "st.global" in line]
+    assert len(stores) == 4  # the statistics only: 2 rows x 2 values
+    assert "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group" in body
+    if codegen.nvdisasm() is not None:
+        assert codegen.wgmma_hazards(codegen.sass(codegen.compile_with_nvcc(source, "sm_90a"))) == []
+    for m2, spec2, words in ((8192, spec, "one tile a CTA"), (m, dataclasses.replace(spec, norm_out=True), "a second output")):
+        with pytest.raises(ComFuseError, match=words):
+            sn.exchange_kernel(m2, n, k, spec2)
+
+
 @pytest.mark.parametrize("kernel", ["gemm", "gemm_one_step", "postnorm_768", "postnorm_768_bk32", "postnorm_512_cluster",
                                     "postnorm_1024", "rms_norm", "b2b", "b2b_bm64", "b2b_persistent", "postnorm_resident",
                                     "postnorm_two_rounds", "postnorm_2ctas", "postnorm_pingpong", "elementwise_pingpong"])

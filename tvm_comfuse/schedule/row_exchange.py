@@ -133,11 +133,13 @@ def normalize(spec: PostNorm, cfg: WgmmaConfig, m: int, n: int, staged_at):
         T.ptx["bar.sync"](CONSUMER_BARRIER, 128 * cfg.consumers)  # the row tile's CTAs have all written theirs
         mean = T.alloc_local([2], "float32")
         rstd = T.alloc_local([2], "float32")
+        means = T.alloc_local([parts], "float32")  # a row's parts' means, each read once
         for h in T.unroll(2):  # the thread's rows: accumulators 4q + 2h + (0, 1)
             row = T.meta_var(T.min(row0 + fragment(tw, 2 * h)[0], m - 1))  # rows past M: not stored
             mean[h] = T.float32(0)
             for p in T.unroll(parts):
-                mean[h] = mean[h] + load(stats, row, p, 0)
+                means[p] = load(stats, row, p, 0)
+                mean[h] = mean[h] + means[p]
             mean[h] = mean[h] * T.float32(1.0 / parts)  # of squares, for RMSNorm
             if rms:
                 rstd[h] = T.rsqrt(mean[h] + T.float32(spec.eps))
@@ -145,8 +147,7 @@ def normalize(spec: PostNorm, cfg: WgmmaConfig, m: int, n: int, staged_at):
             else:
                 rstd[h] = T.float32(0)
                 for p in T.unroll(parts):
-                    d = T.meta_var(load(stats, row, p, 0) - mean[h])
-                    rstd[h] = rstd[h] + load(stats, row, p, 1) + T.float32(cols) * d * d
+                    rstd[h] = rstd[h] + load(stats, row, p, 1) + T.float32(cols) * (means[p] - mean[h]) * (means[p] - mean[h])
                 rstd[h] = T.rsqrt(rstd[h] * T.float32(1.0 / n) + T.float32(spec.eps))
         for q in T.unroll(acc_n // 4):
             for j in T.unroll(2):
