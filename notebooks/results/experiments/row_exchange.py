@@ -26,9 +26,9 @@ import torch
 import tvm
 
 from split_norm import split  # the same directory: sys.path[0] when run as a script
-from wgmma_gemm import build, error_text, measure_postnorm, save, suite_cases, timed
+from wgmma_gemm import build, cluster_cases, error_text, save, timed
 
-from tvm_comfuse.schedule import row_exchange, split_norm as sn, wgmma_postnorm as wp
+from tvm_comfuse.schedule import row_exchange, split_norm as sn
 
 #: BERT-base's FFN2 and attention output, BERT-large's FFN2 and attention output (M, K, N)
 SHAPES = [(4096, 3072, 768), (4096, 768, 768), (4096, 4096, 1024), (4096, 1024, 1024)]
@@ -87,11 +87,7 @@ def split_gemm(m, n, k, spec, inputs, base) -> dict:
 def main():
     rows = []
     shapes = [tuple(map(int, a.split("x"))) for a in sys.argv[1:] if "x" in a] or SHAPES
-    for m, k, n, inputs, ref, base in suite_cases(shapes, 0, rows):
-        spec = wp.PostNorm.suite("float16")
-        out = torch.empty(m, n, device="cuda", dtype=torch.float16)
-        if not wp.problems(m, n, k, spec):
-            rows.append(measure_postnorm(base, inputs, ref, m, n, k, spec, "default", lambda: wp.wgmma_postnorm(m, n, k, spec)))
+    for m, k, n, spec, inputs, ref, base, out in cluster_cases(shapes, rows):
         rows.append(split(m, n, k, spec, None, inputs, out, ref, base))
         rows.append(exchange(m, n, k, spec, inputs, out, ref, base))
         rows.append(exchange(m, n, k, spec, inputs, out, ref, base, "exchange_no_barrier"))

@@ -43,7 +43,7 @@ import sys
 import torch
 
 from split_norm import split  # the same directory: sys.path[0] when run as a script
-from wgmma_gemm import measure, measure_postnorm, save, suite_cases
+from wgmma_gemm import cluster_cases, measure, save
 
 from tvm_comfuse.schedule import split_norm as sn, wgmma_postnorm as wp
 from tvm_comfuse.schedule.wgmma_elementwise import Elementwise, wgmma_elementwise
@@ -76,11 +76,7 @@ def variants(m, n, k, spec):
 def main():
     rows = []
     shapes = [tuple(map(int, a.split("x"))) for a in sys.argv[1:] if "x" in a] or SHAPES
-    for m, k, n, inputs, ref, base in suite_cases(shapes, 0, rows):
-        spec = wp.PostNorm.suite("float16")
-        out = torch.empty(m, n, device="cuda", dtype=torch.float16)
-        if not wp.problems(m, n, k, spec):
-            rows.append(measure_postnorm(base, inputs, ref, m, n, k, spec, "default", lambda: wp.wgmma_postnorm(m, n, k, spec)))
+    for m, k, n, spec, inputs, ref, base, out in cluster_cases(shapes, rows):
         for name, cfg in variants(m, n, k, spec):
             for tag, mod in (("head", head), ("new", sn)):
                 if mod is not None:  # the configuration as the module's own class

@@ -165,6 +165,18 @@ def suite_cases(shapes, seed: int, rows: list, names=("cublas_gemm_alone", "indu
         yield m, k, n, inputs, ref, base
 
 
+def cluster_cases(shapes, rows: list):
+    """:func:`suite_cases` (seed 0) as ``(m, k, n, spec, inputs, ref, base, out)``, ``spec`` the
+    fp16 LayerNorm post-norm and ``out`` an fp16 buffer of the output's shape, with the cluster
+    kernel's default row appended to ``rows`` first where it takes the shape: what each
+    experiment comparing the split's forms against it starts from."""
+    for m, k, n, inputs, ref, base in suite_cases(shapes, 0, rows):
+        spec = PostNorm.suite("float16")
+        if not problems(m, n, k, spec):
+            rows.append(measure_postnorm(base, inputs, ref, m, n, k, spec, "default", lambda: wgmma_postnorm(m, n, k, spec)))  # noqa: B023
+        yield m, k, n, spec, inputs, ref, base, torch.empty(m, n, device="cuda", dtype=torch.float16)
+
+
 def deepest_bk32(spec, cfg, k):
     """``cfg``'s tile on the deepest bk-32 ring (up to 8 stages, no deeper than K's steps) that
     fits shared memory beside its staged epilogue tiles."""
