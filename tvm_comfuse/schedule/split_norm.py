@@ -136,7 +136,7 @@ def exchange_problems(m, n, k, spec: PostNorm, cfg: WgmmaConfig | None = None) -
 def exchange_kernel(m: int, n: int, k: int, spec: PostNorm, cfg: WgmmaConfig | None = None, lead=None):
     """The split post-norm as one kernel (:mod:`.row_exchange`; tirx, sm_90a): parameters ``(x,
     w, the added operands..., gamma, beta (LayerNorm), flags, out, stats)``, ``flags`` the
-    ``[row tiles, 2]`` uint32 words of its barriers (:func:`flags_shape`; zero before the first
+    ``[row tiles, 2]`` int32 words of its barriers (:func:`flags_shape`; zero before the first
     launch, and left so), ``stats`` ``[M, parts, 2]`` float32 scratch (the GEMM kernel's)."""
     found = exchange_problems(m, n, k, spec, cfg)
     if found:

@@ -356,7 +356,7 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
     ``norm`` (a :class:`~.wgmma_postnorm.PostNorm` whose statistics ``spec.stats`` are): the
     kernel also normalises each row, its statistics combined across the row tile's CTAs
     (:mod:`.row_exchange`), and writes ``out`` as the norm; the parameters are then ``(x, w,
-    operands..., gamma, beta (LayerNorm), flags[row tiles, 2] uint32, out, stats)``."""
+    operands..., gamma, beta (LayerNorm), flags[row tiles, 2] int32, out, stats)``."""
     found = problems(m, n, k, spec, cfg)
     cfg = cfg or (None if found else default_config(m, n, k, spec))
     if norm is not None and not found:
