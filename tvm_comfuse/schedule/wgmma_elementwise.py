@@ -387,11 +387,11 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
     sync = consumer_sync(cfg)
     # rows past M (the last tile's, on TMA's zeros) read a tile operand at row M - 1; the TMA store clips them
     staged_value = lambda P, v, row, col, _here: epilogue_value(spec, P, v, T.min(row, m - 1) if ragged else row, col)  # noqa: E731
-    store = staged_store(cfg.wg_cols, spec.out_dtype, staged_value)
+    # with a norm, the sum is staged, normalised in place once the row tile's statistics are in, then stored
+    store = staged_store(cfg.wg_cols, spec.out_dtype, staged_value, issue=norm is None)
     wait_stores = drain()
     row_stats = statistics(spec, cfg, m)
-    if norm is not None:  # the sum staged, normalised in place once the row tile's statistics are in, then stored
-        stage_sum = staged_store(cfg.wg_cols, spec.out_dtype, staged_value, issue=False)
+    if norm is not None:
         send = tma_store(cfg.wg_cols, spec.out_dtype)
         normalize = row_exchange.normalize(norm, cfg, m, n, lambda at: staged_at(at, spec.out_dtype))
 
@@ -441,21 +441,15 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
             producer()
             if tw == 0:
                 produce(x_map, w_map, S, S, full, empty, bx * bm, by * bn, 0)
-        elif norm is not None:
-            consumer()
-            consume(S, S, full, empty, acc, da, db, wg - 1, tw, 0)
-            sync(0)  # every consumer warpgroup's wgmmas are done and every load has landed: the ring is free
-            stage_sum(out_map, O, P, acc, wg - 1, tw, row0, col0, 0)
-            row_stats(stats, O, wg - 1, tw, row0, col0)
-            normalize(O, stats, flags, gamma, beta, wg - 1, tw, row0, col0, bx)
-            send(out_map, O, wg - 1, tw, row0, col0, 0)
-            wait_stores(tw)
         elif staged:
             consumer()
             consume(S, S, full, empty, acc, da, db, wg - 1, tw, 0)
             sync(0)  # every consumer warpgroup's wgmmas are done and every load has landed: the ring is free
             store(out_map, O, P, acc, wg - 1, tw, row0, col0, 0)
             row_stats(stats, O, wg - 1, tw, row0, col0)
+            if norm is not None:
+                normalize(O, stats, flags, gamma, beta, wg - 1, tw, row0, col0, bx)
+                send(out_map, O, wg - 1, tw, row0, col0, 0)
             wait_stores(tw)
         else:
             consumer()
