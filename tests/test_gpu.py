@@ -4,6 +4,8 @@ Run on the H200 with ``python -m pytest -q -m gpu``. Tolerances: max abs error a
 float32 PyTorch reference, fp16 5e-2, bf16 2e-1 (outputs of magnitude up to ~4).
 """
 
+import dataclasses
+
 import pytest
 
 import tvm_comfuse as cf
@@ -448,14 +450,16 @@ def test_gpu_split_postnorm_of_an_imported_bert_chain():
     assert (normed - ref).abs().max().item() <= 1e-2 and (out.float() - ref).abs().max().item() <= TOL["float16"]
 
 
-@pytest.mark.parametrize("M, N, K, dtype, norm", [
-    (4096, 768, 3072, "float16", "layer_norm"),  # BERT-base's FFN2: one wave of 128 x 192 tiles
-    (4096, 1024, 4096, "float16", "layer_norm"),  # BERT-large's: 128 x 256
-    (4096, 768, 768, "bfloat16", "rms_norm"),
-    (1000, 1024, 768, "float16", "layer_norm"),  # rows no tile divides
-    (1, 768, 768, "bfloat16", "layer_norm"),  # one row
+@pytest.mark.parametrize("M, N, K, dtype, norm, staged", [
+    (4096, 768, 3072, "float16", "layer_norm", None),  # BERT-base's FFN2: one wave of 128 x 192 tiles
+    (4096, 1024, 4096, "float16", "layer_norm", None),  # BERT-large's: 128 x 256
+    (4096, 768, 768, "bfloat16", "rms_norm", None),
+    (1000, 1024, 768, "float16", "layer_norm", None),  # rows no tile divides
+    (1, 768, 768, "bfloat16", "layer_norm", None),  # one row
+    # the residual loaded by TMA into the staging buffers (session 23), before K step `staged`
+    (4096, 768, 3072, "float16", "layer_norm", 4), (1000, 1024, 768, "bfloat16", "rms_norm", 0),
 ])
-def test_gpu_row_exchange_postnorm_matches_torch(M, N, K, dtype, norm):
+def test_gpu_row_exchange_postnorm_matches_torch(M, N, K, dtype, norm, staged):
     """The split post-norm in one kernel (:mod:`tvm_comfuse.schedule.row_exchange`): each CTA's
     statistics meet its row tile's others at a barrier in global memory, and each CTA normalises
     its staged sum. Against PyTorch in fp32 (the residual's mean far from 0), after one launch and
@@ -469,9 +473,12 @@ def test_gpu_row_exchange_postnorm_matches_torch(M, N, K, dtype, norm):
     x, w, b, r, g, be = _inputs(M, K, N, dtype, linear=True)
     r = r + 8
     spec = wp.PostNorm.suite(dtype, norm)
-    kernel = wm.build(sn.exchange_kernel(M, N, K, spec))["main"]
-    parts = N // sn.config(M, N, K, spec).wg_cols
-    flags = torch.zeros(sn.flags_shape(M, N, K, spec), device="cuda", dtype=torch.int32)
+    cfg = sn.config(M, N, K, spec)
+    if staged is not None:
+        cfg = dataclasses.replace(cfg, stage_tiles=True, tile_step=staged, stages=3 if cfg.bn == 256 else cfg.stages)
+    kernel = wm.build(sn.exchange_kernel(M, N, K, spec, cfg))["main"]
+    parts = N // cfg.wg_cols
+    flags = torch.zeros(sn.flags_shape(M, N, K, spec, cfg), device="cuda", dtype=torch.int32)
     stats = torch.full((M, parts, 2), float("nan"), device="cuda")
     out = torch.full((M, N), float("nan"), device="cuda", dtype=x.dtype)
     params = (g, be) if norm == "layer_norm" else (g,)  # RMSNorm has no beta
@@ -486,7 +493,7 @@ def test_gpu_row_exchange_postnorm_matches_torch(M, N, K, dtype, norm):
             kernel(*args)
         torch.cuda.synchronize()
         assert (out.float() - ref).abs().max().item() <= TOL[dtype], launches
-        ctas = N // sn.config(M, N, K, spec).bn
+        ctas = N // cfg.bn
         assert (flags.view(torch.int64)[:, 0] == ctas * (1 + (launches > 1) * 200)).all().item(), launches
         out.fill_(float("nan"))
 
@@ -563,6 +570,11 @@ def _chain_reference(spec, x, w, operands):
      None, None, None),
     (16384, 1024, 256, "float16", "silu_residual", dict(bm=128, bn=128, stages=4, bk=64, persistent=True, stage_tiles=True),
      (128, 128), None, None),
+    # ... issued before a later K step (session 23): one tile a CTA, its buffers beside the ring; and persistent
+    (1000, 1024, 1024, "bfloat16", "silu_residual", dict(bm=128, bn=256, stages=3, bk=64, stage_tiles=True, tile_step=4),
+     None, None, None),
+    (16384, 1024, 256, "float16", "silu_residual", dict(bm=128, bn=128, stages=4, bk=64, persistent=True, stage_tiles=True,
+                                                        tile_step=2), (128, 128), None, None),
 ])
 def test_gpu_wgmma_elementwise_matches_torch(M, N, K, dtype, chain, cfg, lead, axes, stage):
     """The GEMM + elementwise kernel (written on CPU in session 14) against PyTorch: BERT's chains

@@ -167,10 +167,12 @@ def problems(m: int, n: int, k: int, spec: Elementwise, cfg: WgmmaConfig | None 
         found.append("a resident B (the post-norm kernel's, for short K: here B streams through the ring)")
     if cfg.pingpong and (cfg.bm != 64 or cfg.wg_n != 1):
         found.append(f"ping-pong with {cfg.bm} x {cfg.bn} tiles of {cfg.wg_n} column warpgroups (one warpgroup a tile: bm = 64, wg_n = 1)")
-    if cfg.stage_tiles and (not persistent(cfg) or cfg.pingpong or not stages_output(spec, cfg) or staged_tile(spec) is None):
+    if cfg.stage_tiles and (cfg.pingpong or not stages_output(spec, cfg) or staged_tile(spec) is None):
         found.append(f"stage_tiles with {'ping-pong' if cfg.pingpong else 'persistent' if persistent(cfg) else 'one tile a CTA'}, "
-                     f"{'a staged' if stages_output(spec, cfg) else 'an unstaged'} output and tile operands {spec.operands} (persistent "
-                     f"CTAs, not ping-pong, whose output is staged, and a tile operand in the output's dtype {spec.out_dtype})")
+                     f"{'a staged' if stages_output(spec, cfg) else 'an unstaged'} output and tile operands {spec.operands} (not "
+                     f"ping-pong, an output staged beside the ring, a tile operand in the output's dtype {spec.out_dtype})")
+    if cfg.tile_step and not cfg.stage_tiles:
+        found.append(f"tile_step = {cfg.tile_step} without stage_tiles (when a staged tile operand loads)")
     if spec.stats and not stages_output(spec, cfg):
         found.append(f"row statistics with {cfg.bm} x {cfg.bn} tiles whose output is not staged (they are read back from "
                      "the staging buffers: a row-major output, one column warpgroup, whole 128-byte boxes)")
@@ -278,18 +280,24 @@ def tile_origin(cfg: WgmmaConfig, tiles_m: int, tiles_n: int, t, cw):
 
 
 def own_buffers_bytes(spec: Elementwise, cfg: WgmmaConfig) -> int:
-    """Shared memory of a persistent kernel's staging buffers, one ``64 x wg_cols`` tile of the
-    output for each consumer warpgroup, beside the ring."""
+    """Shared memory of the staging buffers beside the ring (:func:`beside_ring`), one ``64 x
+    wg_cols`` tile of the output for each consumer warpgroup."""
     return staged_bytes(64 * cfg.consumers, cfg.wg_cols, spec.out_dtype)
+
+
+def beside_ring(cfg: WgmmaConfig) -> bool:
+    """Whether the output is staged in buffers beside the ring, not in the ring once the mainloop
+    is done: where CTAs loop over tiles (the ring is never free), or where a tile operand lands
+    in the buffers while the mainloop runs (``stage_tiles``)."""
+    return persistent(cfg) or cfg.stage_tiles
 
 
 def stages_output(spec: Elementwise, cfg: WgmmaConfig) -> bool:
     """Whether the output can leave by TMA stores (:mod:`.staged_store`): a row-major output (not
     a head layout, whose elements do not form boxes) of whole 128-byte boxes, staged in the
-    ring's shared memory once every consumer warpgroup's mainloop is done (one tile a CTA), or,
-    where CTAs loop over tiles and the ring is never free, in a buffer of each consumer
-    warpgroup's own beside it."""
-    fits = (cfg.smem_bytes + own_buffers_bytes(spec, cfg) <= cfg.smem_limit if persistent(cfg)
+    ring's shared memory once every consumer warpgroup's mainloop is done (one tile a CTA), or
+    in a buffer of each consumer warpgroup's own beside it (:func:`beside_ring`)."""
+    fits = (cfg.smem_bytes + own_buffers_bytes(spec, cfg) <= cfg.smem_limit if beside_ring(cfg)
             else staged_bytes(cfg.bm, cfg.bn, spec.out_dtype) <= cfg.smem_bytes)
     return not spec.layout and cfg.wg_n == 1 and cfg.wg_cols % box_cols(spec.out_dtype) == 0 and fits
 
@@ -369,24 +377,59 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
         raise ComFuseError(f"wgmma GEMM + elementwise: row dimensions {lead} do not multiply to M = {m}")
     bm, bn, acc_n = cfg.bm, cfg.bn, cfg.wg_cols // 2
     ragged = m % bm != 0
-    produce, consume = mainloop(cfg, k, spec.dtype)
+    # loaded into the staging buffers (problems checked it can be)
+    tile_in = staged_tile(spec) if cfg.stage_tiles else None
+    box, tile_bytes = box_cols(spec.out_dtype), 64 * cfg.wg_cols * size(spec.out_dtype)
+
+    # pylint: disable=invalid-name
+    @T.macro
+    def load_tile(tile_map, O, rfull, tw, slot, row0, col0):  # warpgroup `slot`'s part of the tile operand, into its buffer
+        T.ptx["bar.sync"](T.uint32(STAGE_BARRIER) + T.cast(slot, "uint32"), 128)  # no thread still reads the buffer
+        if tw == 0:
+            T.ptx["cp.async.bulk.wait_group.read"](0)  # nor does the warpgroup's last TMA store
+            T.ptx["fence.proxy.async.shared::cta"]()
+            T.ptx.mbarrier.arrive.expect_tx.shared.b64(rfull.ptr_to([slot]), T.uint32(tile_bytes))
+            for b in T.unroll(cfg.wg_cols // box):
+                T.ptx[TMA_LOAD](O.ptr_to([0, slot, b, 0, 0]), T.address_of(tile_map), col0 + b * box, row0, rfull.ptr_to([slot]))
+
+    @T.macro
+    def load_early(extra):  # the tile operand's load where tile_step is 0: before the mainloop
+        if cfg.tile_step == 0:
+            load_tile(extra[0], extra[1], extra[2], extra[3], extra[4], extra[5], extra[6])
+
+    @T.macro
+    def during(kk, extra):  # else in the K loop, before K step tile_step (or the last)
+        if kk == min(cfg.tile_step, k // cfg.bk - 1):
+            load_tile(extra[0], extra[1], extra[2], extra[3], extra[4], extra[5], extra[6])
+
+    produce, consume = mainloop(cfg, k, spec.dtype, during if tile_in is not None and cfg.tile_step > 0 else None)
     init = Ring(cfg.stages, cfg.slot_readers).init()
     producer, consumer = roles(cfg)
     maps = {"x": tensor_map(m, k, box_rows(bm), cfg.bk, spec.dtype), "w": tensor_map(n, k, box_rows(bn), cfg.bk, spec.dtype)}
     staged = stages_output(spec, cfg) if stage is None else stage
+    # one dynamic buffer (tirx allows one): the ring (per slot the A tile's bm rows, then B's bn),
+    # then, beside it, each consumer warpgroup's staging buffer (1 KiB aligned: the ring's slots are)
+    ring_elems = cfg.stages * (bm + bn) * cfg.bk
+    own_elems = own_buffers_bytes(spec, cfg) // size(spec.dtype) if staged and beside_ring(cfg) else 0
     if staged and not stages_output(spec, cfg) or spec.stats and not staged:
         raise ComFuseError(f"wgmma GEMM + elementwise: the output cannot be staged for TMA stores ({spec.layout or spec.out_dtype}, "
                            f"{bm} x {bn} tiles in a {cfg.smem_bytes // 1024} KiB ring, row statistics {spec.stats!r}); "
                            "pass stage=None")
     if staged:
         maps["out"] = tensor_map(m, n, 64, box_cols(spec.out_dtype), spec.out_dtype)
-    # loaded into the staging buffers (problems checked it can be)
-    tile_in = staged_tile(spec) if cfg.stage_tiles else None
     if tile_in is not None:
         maps[f"p{tile_in}"] = tensor_map(m, n, 64, box_cols(spec.out_dtype), spec.out_dtype)
     sync = consumer_sync(cfg)
+
+    @T.macro
+    def init_tiles(rfull, thread):  # the tile operand's mbarriers, one a consumer warpgroup
+        if thread == 0:  # before the ring's init: its fence and CTA barrier cover these
+            for c in T.unroll(cfg.consumers):
+                T.ptx.mbarrier.init.shared.b64(rfull.ptr_to([c]), T.uint32(1))
     # rows past M (the last tile's, on TMA's zeros) read a tile operand at row M - 1; the TMA store clips them
-    staged_value = lambda P, v, row, col, _here: epilogue_value(spec, P, v, T.min(row, m - 1) if ragged else row, col)  # noqa: E731
+    def staged_value(P, v, row, col, here):  # (the staged tile operand: `here`, where the value goes)
+        return epilogue_value(spec, P, v, T.min(row, m - 1) if ragged else row, col, staged={} if tile_in is None else {tile_in: here})
+
     # with a norm, the sum is staged, normalised in place once the row tile's statistics are in, then stored
     store = staged_store(cfg.wg_cols, spec.out_dtype, staged_value, issue=norm is None)
     wait_stores = drain()
@@ -412,7 +455,7 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
                     out[at(row, col)] = epilogue_value(spec, P, acc[2 * q + j], row, col)
 
     @T.macro
-    def body(x_map, w_map, out_map, P, out, stats, _tile_map, gamma, beta, flags):  # (one tile a CTA stages no tile operand)
+    def body(x_map, w_map, out_map, P, out, stats, tile_map, gamma, beta, flags):
         if cfg.ctas_per_sm > 1:  # __launch_bounds__(threads, ctas_per_sm)
             T.attr({"tirx.launch_bounds_min_blocks_per_sm": cfg.ctas_per_sm})
         if norm is not None:  # a row tile's CTAs consecutive in the grid (they wait for each other)
@@ -427,11 +470,18 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
         else:
             wg = T.warpgroup_id([cfg.consumers + 1])
             tw = T.thread_id_in_wg([128])
-        # one dynamic buffer (tirx allows one): per slot, the A tile's bm rows, then B's bn
-        S = T.alloc_shared([cfg.stages, bm + bn, cfg.bk], spec.dtype, scope="shared.dyn", align=1024)
+        if cfg.stage_tiles:  # the staging buffers beside the ring: the tile operand lands there during the mainloop
+            flat = T.alloc_shared([ring_elems + own_elems], spec.dtype, scope="shared.dyn", align=1024)
+            S = T.decl_buffer([cfg.stages, bm + bn, cfg.bk], spec.dtype, data=flat.data, scope="shared.dyn")
+            O = T.decl_buffer(buffer_shape(1, cfg.consumers, cfg.wg_cols, spec.out_dtype), spec.out_dtype, data=flat.data,
+                              elem_offset=ring_elems * 2 // size(spec.out_dtype), scope="shared.dyn")
+            rfull = T.alloc_shared([cfg.consumers], "uint64", scope="shared", align=8)  # [warpgroup]: its tile operand landed
+            init_tiles(rfull, wg * 128 + tw)
+        else:  # the output staged in the ring once it is free
+            S = T.alloc_shared([cfg.stages, bm + bn, cfg.bk], spec.dtype, scope="shared.dyn", align=1024)
+            O = T.decl_buffer(buffer_shape(1, cfg.consumers, cfg.wg_cols, spec.out_dtype), spec.out_dtype, data=S.data, scope="shared.dyn")
         full = T.alloc_shared([cfg.stages], "uint64", scope="shared", align=8)
         empty = T.alloc_shared([cfg.stages], "uint64", scope="shared", align=8)
-        O = T.decl_buffer(buffer_shape(1, cfg.consumers, cfg.wg_cols, spec.out_dtype), spec.out_dtype, data=S.data, scope="shared.dyn")
         acc = T.alloc_local([acc_n], "float32")
         da = T.alloc_local([1], "uint64")
         db = T.alloc_local([1], "uint64")
@@ -443,8 +493,13 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
                 produce(x_map, w_map, S, S, full, empty, bx * bm, by * bn, 0)
         elif staged:
             consumer()
-            consume(S, S, full, empty, acc, da, db, wg - 1, tw, 0)
-            sync(0)  # every consumer warpgroup's wgmmas are done and every load has landed: the ring is free
+            if cfg.stage_tiles:  # its part of the tile operand loads while the mainloop runs (during)
+                load_early((tile_map, O, rfull, tw, wg - 1, row0, col0))
+                consume(S, S, full, empty, acc, da, db, wg - 1, tw, 0, (tile_map, O, rfull, tw, wg - 1, row0, col0))
+                T.cuda.mbarrier_wait(rfull.ptr_to([wg - 1]), 0)
+            else:
+                consume(S, S, full, empty, acc, da, db, wg - 1, tw, 0)
+                sync(0)  # every consumer warpgroup's wgmmas are done and every load has landed: the ring is free
             store(out_map, O, P, acc, wg - 1, tw, row0, col0, 0)
             row_stats(stats, O, wg - 1, tw, row0, col0)
             if norm is not None:
@@ -461,21 +516,8 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
     tiles_m, tiles_n, kt = _padded(m, bm) // bm, n // bn, k // cfg.bk
     tiles = tiles_m * tiles_n
     grid = min(tiles, SM_COUNT)
-    ring_elems = cfg.stages * (bm + bn) * cfg.bk
     # a buffer of its own, written once a tile (in place over its staged tile operand, if any)
-    box, tile_bytes = box_cols(spec.out_dtype), 64 * cfg.wg_cols * size(spec.out_dtype)
-    loop_store = staged_store(cfg.wg_cols, spec.out_dtype, staged_value if not cfg.stage_tiles else (
-        lambda P, v, row, col, here: epilogue_value(spec, P, v, row, col, staged={tile_in: here})), buffers=1)
-
-    @T.macro
-    def load_tile(tile_map, O, rfull, tw, slot, row0, col0):  # warpgroup `slot`'s part of the tile operand, into its buffer
-        T.ptx["bar.sync"](T.uint32(STAGE_BARRIER) + T.cast(slot, "uint32"), 128)  # no thread still reads the buffer
-        if tw == 0:
-            T.ptx["cp.async.bulk.wait_group.read"](0)  # nor does the warpgroup's last TMA store
-            T.ptx["fence.proxy.async.shared::cta"]()
-            T.ptx.mbarrier.arrive.expect_tx.shared.b64(rfull.ptr_to([slot]), T.uint32(tile_bytes))
-            for b in T.unroll(cfg.wg_cols // box):
-                T.ptx[TMA_LOAD](O.ptr_to([0, slot, b, 0, 0]), T.address_of(tile_map), col0 + b * box, row0, rfull.ptr_to([slot]))
+    loop_store = staged_store(cfg.wg_cols, spec.out_dtype, staged_value, buffers=1)
 
     @T.macro
     def finish(out_map, O, P, out, stats, acc, slot, cw, tw, t):  # warpgroup cw's part of tile t, staged in buffer `slot`
@@ -493,8 +535,7 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
         tw = T.thread_id_in_wg([128])
         # one dynamic buffer (tirx allows one): the ring (per slot the A tile's bm rows, then B's
         # bn), then each consumer warpgroup's staging buffer (1 KiB aligned: the ring's slots are)
-        flat = T.alloc_shared([ring_elems + (own_buffers_bytes(spec, cfg) // 2 if staged else 0)],
-                              spec.dtype, scope="shared.dyn", align=1024)
+        flat = T.alloc_shared([ring_elems + own_elems], spec.dtype, scope="shared.dyn", align=1024)
         S = T.decl_buffer([cfg.stages, bm + bn, cfg.bk], spec.dtype, data=flat.data, scope="shared.dyn")
         O = T.decl_buffer(buffer_shape(1, cfg.consumers, cfg.wg_cols, spec.out_dtype), spec.out_dtype, data=flat.data,
                           elem_offset=ring_elems * 2 // size(spec.out_dtype), scope="shared.dyn")
@@ -510,9 +551,7 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
                     T.ptx.mbarrier.init.shared.b64(turn.ptr_to([j]), T.uint32(1))
         if cfg.stage_tiles:
             rfull = T.alloc_shared([cfg.consumers], "uint64", scope="shared", align=8)  # [warpgroup]: its tile operand landed
-            if wg * 128 + tw == 0:  # before the ring's init: its fence and CTA barrier cover these
-                for c in T.unroll(cfg.consumers):
-                    T.ptx.mbarrier.init.shared.b64(rfull.ptr_to([c]), T.uint32(1))
+            init_tiles(rfull, wg * 128 + tw)
         init(full, empty, wg * 128 + tw)
         iters = T.meta_var((tiles - 1 - bx) // grid + 1)  # tiles bx, bx + grid, ...
         if wg == 0:
@@ -528,10 +567,12 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
                 if cfg.pingpong:  # the groups' mainloops alternate: wait until the other's previous tile has left the ring
                     if j + wg - 2 >= 0:
                         T.cuda.mbarrier_wait(turn.ptr_to([wg - 1]), (j + wg - 2) % 2)
-                if cfg.stage_tiles:  # its part of the tile operand loads while the mainloop runs
+                if cfg.stage_tiles:  # its part of the tile operand loads while the mainloop runs (during)
                     row0, col0 = T.meta_var(tile_origin(cfg, tiles_m, tiles_n, bx + (first + step * j) * grid, cw))
-                    load_tile(tile_map, O, rfull, tw, wg - 1, row0, col0)
-                consume(S, S, full, empty, acc, da, db, cw, tw, (first + step * j) * kt)
+                    load_early((tile_map, O, rfull, tw, wg - 1, row0, col0))
+                    consume(S, S, full, empty, acc, da, db, cw, tw, (first + step * j) * kt, (tile_map, O, rfull, tw, wg - 1, row0, col0))
+                else:
+                    consume(S, S, full, empty, acc, da, db, cw, tw, (first + step * j) * kt)
                 if cfg.pingpong:
                     if tw == 0:
                         T.ptx.mbarrier.arrive.shared.b64(turn.ptr_to([2 - wg]), T.uint32(1))

@@ -99,6 +99,11 @@ class WgmmaConfig:
     #: mainloop runs, and read it from there, in place of per-thread global loads in the
     #: accumulator layout (:mod:`.wgmma_elementwise`; the post-norm kernel stages its own).
     stage_tiles: bool = False
+    #: With ``stage_tiles``: the K step before whose wgmmas a consumer warpgroup issues its tile
+    #: operand's TMA load (0: before the first; past the last: before the last). Why not always
+    #: the first: at one wave every CTA fills its ring at once, and a tile operand loaded beside
+    #: those first K steps delays them (session 22, ``experiments/epilogue_parts.py``).
+    tile_step: int = 0
     #: A persistent GEMM + elementwise kernel walks its tiles in groups of this many row tiles,
     #: every column slice of a group before the next group (0: all the row tiles at once, column
     #: slice by column slice). Why: a wave of CTAs then reads ``group_rows`` row tiles of x and
@@ -187,6 +192,8 @@ class WgmmaConfig:
         if self.compiled_regs < self.wg_cols // 2 + 32:  # ptxas: m64n256 (128 accumulators) needs 154
             found.append(f"{self.consumers} consumer warpgroups of {self.wg_cols // 2} accumulators each ({self.compiled_regs} "
                          f"registers per thread: fewer warpgroups{', or a producer warp' if not self.producer_warps else ''})")
+        if self.tile_step < 0:
+            found.append(f"tile_step = {self.tile_step} (the K step before which the tile operand loads: 0 or more)")
         if self.group_rows < 0:
             found.append(f"group_rows = {self.group_rows} (0: whole columns, or the row tiles a group)")
         if self.ctas_per_sm not in (1, 2):
@@ -321,7 +328,7 @@ def consumer_sync(cfg: WgmmaConfig):
     return sync
 
 
-def mainloop(cfg: WgmmaConfig, k: int, dtype: str):
+def mainloop(cfg: WgmmaConfig, k: int, dtype: str, during=None):
     """The K loop as two tirx macros, ``(produce, consume)``, over ring steps ``base .. base + k
     / bk - 1`` (``base`` 0 for one tile; a CTA that loops over tiles walks on, ``k / bk`` steps
     a tile, so slots and phases carry over):
@@ -334,7 +341,11 @@ def mainloop(cfg: WgmmaConfig, k: int, dtype: str):
       (thread ``tw`` of it): ``acc`` (``wg_cols / 2`` fp32 per thread) ends holding the thread's
       share of the warpgroup's ``64 x wg_cols`` tile of ``A @ B.T``, B read from the ring or from
       the resident ``W`` (``[k / bk, bn, bk]``; pass ``S`` where B is not resident); ``da``,
-      ``db`` one uint64 each for the descriptors. Every slot is released when it returns."""
+      ``db`` one uint64 each for the descriptors. Every slot is released when it returns.
+      With ``during`` (a tirx macro ``during(kk, extra)``), the warpgroup runs it before K step
+      ``kk``'s wgmmas, ``kk`` from 0 to ``k / bk - 1``, ``extra`` what the kernel passed
+      ``consume`` after ``base`` (its buffers, as a tuple): work that belongs at a point of the
+      K loop (:mod:`.wgmma_elementwise`'s tile operand loads)."""
     bm, bn, bk, st, res = cfg.bm, cfg.bn, cfg.bk, cfg.stages, cfg.resident
     kt, acc_n, wg_cols = k // bk, cfg.wg_cols // 2, cfg.wg_cols
     mma = f"wgmma.mma_async.sync.aligned.m64n{wg_cols}k16.f32.{_PTX_TYPE[dtype]}.{_PTX_TYPE[dtype]}"
@@ -373,12 +384,16 @@ def mainloop(cfg: WgmmaConfig, k: int, dtype: str):
         T.ptx["wgmma.commit_group.sync.aligned"]()
 
     @T.macro
-    def consume(S, W, full, empty, acc, da, db, cw, tw, base):
+    def consume(S, W, full, empty, acc, da, db, cw, tw, base, extra=None):
         for kk in T.serial(kt - 1):
+            if during is not None:
+                during(kk, extra)
             step(S, W, full, acc, da, db, cw, kk, base)
             T.ptx["wgmma.wait_group.sync.aligned"](cfg.inflight)  # step kk - inflight's group is done: its slot is free
             if kk >= cfg.inflight:
                 release(empty, base + kk - cfg.inflight, tw)
+        if during is not None:
+            during(kt - 1, extra)
         step(S, W, full, acc, da, db, cw, kt - 1, base)
         T.ptx["wgmma.wait_group.sync.aligned"](0)
         for j in T.unroll(tail):

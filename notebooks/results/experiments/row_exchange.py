@@ -20,6 +20,7 @@ cluster kernel (where it takes the shape), the split (two kernels), the one-kern
 Run: ``bash .ci/gpu-run notebooks/results/experiments/row_exchange.py`` (``$OUT/row-exchange.json``).
 """
 
+import dataclasses
 import sys
 
 import torch
@@ -34,20 +35,22 @@ from tvm_comfuse.schedule import row_exchange, split_norm as sn
 SHAPES = [(4096, 3072, 768), (4096, 768, 768), (4096, 4096, 1024), (4096, 1024, 1024)]
 
 
-def exchange(m, n, k, spec, inputs, out, ref, base, contender="exchange") -> dict:
-    """The row of the one-kernel form: built, run into a NaN-filled output and checked against
-    ``ref``, timed, then checked again (the barrier's words after hundreds of launches).
+def exchange(m, n, k, spec, inputs, out, ref, base, contender="exchange", cfg=None) -> dict:
+    """The row of the one-kernel form (GEMM configuration ``cfg``; None: the default): built, run
+    into a NaN-filled output and checked against ``ref``, timed, then checked again (the barrier's
+    words after hundreds of launches).
     ``exchange_no_barrier``, a diagnostic: the barrier a no-op (its CTAs read statistics their
     peers may not have written yet: the error is recorded, not a result), what the rest costs."""
-    row = dict(base, contender=contender)
+    cfg = cfg or sn.config(m, n, k, spec)
+    row = dict(base, contender=contender, config=dataclasses.asdict(cfg))
     source = row_exchange._BARRIER_SOURCE  # pylint: disable=protected-access
     try:
         if contender == "exchange_no_barrier":
             row_exchange._BARRIER_SOURCE = source[:source.index("{") + 1] + "}"  # pylint: disable=protected-access
-        kernel = build(sn.exchange_kernel(m, n, k, spec))["main"]
+        kernel = build(sn.exchange_kernel(m, n, k, spec, cfg))["main"]
         row_exchange._BARRIER_SOURCE = source  # pylint: disable=protected-access
-        flags = torch.zeros(sn.flags_shape(m, n, k, spec), device="cuda", dtype=torch.int32)
-        stats = torch.empty(m, n // sn.config(m, n, k, spec).wg_cols, 2, device="cuda")
+        flags = torch.zeros(sn.flags_shape(m, n, k, spec, cfg), device="cuda", dtype=torch.int32)
+        stats = torch.empty(m, n // cfg.wg_cols, 2, device="cuda")
         args = [tvm.runtime.from_dlpack(t) for t in (*inputs, flags, out, stats)]
         errors = []
         for phase in ("before", "after"):
@@ -57,7 +60,7 @@ def exchange(m, n, k, spec, inputs, out, ref, base, contender="exchange") -> dic
             errors.append(float((out.float() - ref).abs().max()))
             if phase == "before":
                 timed(row, lambda: kernel(*args))  # noqa: B023
-        ctas = n // sn.config(m, n, k, spec).bn
+        ctas = n // cfg.bn
         row.update(max_abs_err=errors[0], max_abs_err_after_timing=errors[1],
                    counts_whole=bool((flags.view(torch.int64)[:, 0] % ctas == 0).all()))
     except Exception as err:  # pylint: disable=broad-except
