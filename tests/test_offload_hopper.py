@@ -233,23 +233,32 @@ def test_rows_too_wide_for_the_rule_are_fused_only_when_the_hopper_kernel_takes_
     assert not group.fused and "wider than a thread block" in group.note
 
 
-def test_long_k_post_norms_run_split_and_walk_row_groups_where_x_outgrows_l2():
+def test_long_k_and_one_wave_post_norms_run_split_and_walk_row_groups_where_x_outgrows_l2():
     """Session 18's defaults, from the H100 breakdown: the cluster kernel's groups with K >=
-    SPLIT_MIN_K run split (gpt-4k, BERT-large's FFN2), shorter K stays with the cluster kernel;
-    the split GEMM walks row tiles in groups where x takes more than half of L2 beside the
+    SPLIT_MIN_K run split (gpt-4k); session 23's: so do those one wave of tiles covers (BERT's
+    four, as the one-kernel form), while short K over more than a wave stays with the cluster
+    kernel. The split GEMM walks row tiles in groups where x takes more than half of L2 beside the
     residual (gpt-4k's 64 MB), not where x fits or no tile operand streams beside it. Session
     20's: persistent CTAs load a streamed residual by TMA into their staging buffers
-    (``stage_tiles``); one tile a CTA (BERT-large's FFN2, one wave) and the plain GEMM do not."""
+    (``stage_tiles``); session 23's: one tile a CTA (one wave) stages it too, on a ring of at
+    least three stages, loading it once the ring is full; the plain GEMM stages nothing."""
     spec = wp.PostNorm.suite("float16")
-    for (m, k, n), kernel in [((8192, 4096, 4096), "split"), ((4096, 4096, 1024), "split"), ((4096, 1024, 1024), "cluster"),
-                              ((16384, 256, 1024), "cluster"), ((4096, 3072, 768), "cluster")]:
-        assert postnorm_kernel(m, n, k, spec) == (kernel, []) and (kernel == "split") == (k >= SPLIT_MIN_K)
+    for (m, k, n), kernel in [((8192, 4096, 4096), "split"), ((4096, 4096, 1024), "split"), ((4096, 1024, 1024), "split"),
+                              ((16384, 256, 1024), "cluster"), ((4096, 3072, 768), "split"), ((4096, 768, 768), "split")]:
+        one_wave = -(-m // 128) * (n // sn.config(m, n, k, spec).bn) <= wp.SM_COUNT
+        assert postnorm_kernel(m, n, k, spec) == (kernel, []) and (kernel == "split") == (k >= SPLIT_MIN_K or one_wave)
+        assert (not sn.exchange_problems(m, n, k, spec)) == one_wave
     assert sn.config(8192, 4096, 4096, spec).group_rows == we.GROUP_ROWS
     assert sn.config(4096, 8192, 1024, spec).group_rows == 0  # x is 8 MB
-    assert sn.config(8192, 4096, 4096, spec).stage_tiles and sn.config(4096, 8192, 1024, spec).stage_tiles
-    assert not sn.config(4096, 1024, 4096, spec).persistent and not sn.config(4096, 1024, 4096, spec).stage_tiles
+    for m, k, n in ((8192, 4096, 4096), (4096, 1024, 8192)):  # persistent: loaded before the first K step
+        cfg = sn.config(m, n, k, spec)
+        assert cfg.persistent and cfg.stage_tiles and cfg.tile_step == 0
+    for m, k, n, stages in ((4096, 3072, 768, 4), (4096, 4096, 1024, 3)):  # one wave: 128 x 192 keeps 4 stages, 128 x 256 3
+        cfg = sn.config(m, n, k, spec)
+        assert not cfg.persistent and cfg.stage_tiles and cfg.stages == cfg.tile_step == stages
     plain = we.default_config(8192, 4096, 4096, we.Elementwise())
     assert plain.persistent and plain.group_rows == 0 and not plain.stage_tiles  # no residual streams beside x
+    assert not we.default_config(4096, 1024, 4096, we.Elementwise()).stage_tiles
 
 
 @pytest.mark.parametrize("dtype, norm, batch", [("float16", "layer_norm", None), ("bfloat16", "rms_norm", 2)])
@@ -378,8 +387,9 @@ def test_a_llama_style_block_without_bias_runs_split():
 
 def test_split_norm_is_opt_in_and_then_splits_what_the_cluster_kernel_would_take():
     """``hopper_groups`` with ``"split_norm"`` (not among the defaults until measured) runs a
-    post-norm the cluster kernel takes as the split kernels instead, with the same answer: as
-    their one-kernel form where one wave of tiles covers the rows (64 rows), else as two (16384)."""
+    post-norm the cluster kernel takes as the split kernels instead, with the same answer: as two
+    where the tiles take more than a wave (16384 rows); where one wave covers the rows (64) the
+    default already runs their one-kernel form (session 23), and the option changes nothing."""
     assert "split_norm" in cf.pipeline.HOPPER_GROUPS and "split_norm" not in cf.pipeline.DEFAULT_HOPPER_GROUPS
     passes = cf.pipeline.fusion_passes(tvm.target.Target(SM90A), hopper_groups=("split_norm",))
     assert [p.split for p in passes if isinstance(p, OffloadHopperPostNorm)] == [True]
@@ -394,4 +404,6 @@ def test_split_norm_is_opt_in_and_then_splits_what_the_cluster_kernel_would_take
                 _run_llvm(mod, arrays)
             symbols[split] = calls
             assert len(calls) == kernels and np.abs(got - want).max() <= 2e-2
-        assert not set(symbols[False]) & set(symbols[True])
+        assert all("_exchange" in name for name in symbols[False]) == (m == 64)
+        assert (set(symbols[False]) == set(symbols[True])) == (m == 64)
+        assert (not set(symbols[False]) & set(symbols[True])) == (m != 64)

@@ -200,7 +200,17 @@ def default_config(m: int, n: int, k: int, spec: Elementwise = Elementwise()) ->
     loads in the accumulator's layout filled the load/store queue (``lg_throttle`` 5.0 of 16.4
     cycles an instruction, gone when staged). On the H100 (session 20) it took the split
     post-norm from 494.8 to 491.0 us at 8192 x 4096 -> 4096 and from 199.7 to 186.6 at 4096 x
-    1024 -> 8192."""
+    1024 -> 8192.
+
+    At one wave the tiles stay one a CTA and the tile operand is staged too, its buffers beside
+    the ring (on the deepest ring of at least three stages that leaves room), its load issued
+    once the ring is full (``tile_step = stages``): every CTA of the wave fills its ring at once,
+    and a residual loaded beside those first loads delays them. On the H100 (session 23,
+    ``experiments/residual_load.py``, device us, against per-thread loads) that took the
+    one-kernel split post-norm (:mod:`.row_exchange`) from 33.8 to 32.1 at 4096 x 3072 -> 768,
+    14.8 to 13.6 at 4096 x 768 -> 768 and 20.9 to 19.8 at 4096 x 1024 -> 1024; at 4096 x 4096 ->
+    1024, where 128 x 256 tiles keep three stages of four, 53.9 against 54.0 (the split's GEMM
+    alone: 51.6 against 52.5). Loaded before the first K step instead: 32.9, 14.2, 20.0, 54.6."""
     best = None
     for (bm, bn), rate in TILES.items():
         for bk in (64, 32):
@@ -224,6 +234,11 @@ def default_config(m: int, n: int, k: int, spec: Elementwise = Elementwise()) ->
                 if not looped.problems(_padded(m, cfg.bm), n, k, spec.dtype) and stages_output(spec, looped):
                     return dataclasses.replace(looped, group_rows=group_rows(m, k, spec, looped),
                                                stage_tiles=staged_tile(spec) is not None)
+    if staged_tile(spec) is not None:
+        for stages in range(cfg.stages, 2, -1):
+            staged = dataclasses.replace(cfg, stages=stages, stage_tiles=True, tile_step=stages)
+            if not problems(m, n, k, spec, staged):
+                return staged
     return cfg
 
 

@@ -57,17 +57,19 @@ def configs(m: int, n: int, k: int, spec: PostNorm) -> list[WgmmaConfig]:
 def elementwise_configs(m: int, n: int, k: int, spec: we.Elementwise) -> list[WgmmaConfig]:
     """The GEMM + elementwise kernel's configurations for ``m x n x k``: its tiles
     (:data:`~.wgmma_elementwise.TILES`, one consumer warpgroup a 64-row slice), ring depths and
-    K steps, one tile a CTA or persistent CTAs (loading a residual tile by TMA, session 17, or
-    not), the untuned default first (none where the kernel cannot take the shape).
+    K steps, one tile a CTA or persistent CTAs, either loading a residual tile by TMA (sessions
+    17 and 23: one tile a CTA issues it once its ring is full) or not, the untuned default first
+    (none where the kernel cannot take the shape).
     Ping-pong warpgroups are left out: on the H200 (session 16) their 64-row tiles were slower
     than the default at every shape measured (3-35%)."""
     default = we.default_config(m, n, k, spec)
     if default is None or we.problems(m, n, k, spec, default):
         return []
     found = [default]
-    walks = ((False, False), (True, False), (True, True))
+    walks = ((False, False), (False, True), (True, False), (True, True))
     for (bm, bn), stages, bk, (persistent, stage_tiles) in itertools.product(we.TILES, STAGES, K_STEPS, walks):
-        cfg = WgmmaConfig(bm=bm, bn=bn, stages=stages, bk=bk, persistent=persistent, stage_tiles=stage_tiles)
+        cfg = WgmmaConfig(bm=bm, bn=bn, stages=stages, bk=bk, persistent=persistent, stage_tiles=stage_tiles,
+                          tile_step=stages if stage_tiles and not persistent else 0)
         cfg = dataclasses.replace(cfg, group_rows=we.group_rows(m, k, spec, cfg))  # the default's walk
         # a persistent ring that leaves no room for its staging buffers stores from registers (34%
         # slower for FFN1 on the H200, session 15): left out where the output could be staged
