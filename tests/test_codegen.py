@@ -354,15 +354,17 @@ def test_wgmma_elementwise_persistent_ctas_stage_in_buffers_of_their_own(cfg, st
 
 def test_wgmma_elementwise_refuses_what_persistent_ctas_cannot_run():
     """Ping-pong groups are one warpgroup of 64 rows; persistent CTAs run one an SM with a
-    producer warpgroup; the resident B is the post-norm kernel's; a staged tile operand needs
-    persistent CTAs and a tile in the output's dtype (FFN1 has none). Each refusal names the knob."""
+    producer warpgroup; the resident B is the post-norm kernel's; a staged tile operand needs a
+    tile in the output's dtype (FFN1 has none), and when it loads means nothing without one.
+    Each refusal names the knob."""
     from tvm_comfuse.errors import ComFuseError  # pylint: disable=import-outside-toplevel
     from tvm_comfuse.schedule import wgmma_elementwise as we, wgmma_mainloop as wm  # pylint: disable=import-outside-toplevel
 
     for cfg, words in ((dict(bm=128, bn=128, stages=3, pingpong=True), "one warpgroup a tile"),
                        (dict(bm=64, bn=256, stages=2, bk=32, persistent=True, ctas_per_sm=2, producer_warps=1), "one an SM"),
                        (dict(bm=64, bn=256, stages=2, resident=True), "resident B"),
-                       (dict(bm=128, bn=256, stages=3, persistent=True, stage_tiles=True), "stage_tiles")):
+                       (dict(bm=128, bn=256, stages=3, persistent=True, stage_tiles=True), "stage_tiles"),
+                       (dict(bm=128, bn=256, stages=3, tile_step=3), "tile_step")):
         found = we.problems(4096, 3072, 768, _ffn1(), wm.WgmmaConfig(**cfg))
         assert any(words in f for f in found), (cfg, found)
         with pytest.raises(ComFuseError, match=words):
@@ -375,16 +377,17 @@ def test_split_postnorm_kernels_write_row_statistics_from_the_staged_sum(m, n, d
     """A post-norm too wide for a cluster (or run split): the GEMM kernel stages the sum (bias,
     residual) for its TMA stores, reads it back for each row's statistics over the warpgroup's
     256 columns (quad shuffles; two passes for LayerNorm) and stores only those to global
-    memory, persistent where its tiles take more than a wave, and then by default loading the
-    residual into the staging buffers by TMA while the mainloop runs; the norm kernel moves the
+    memory, persistent where its tiles take more than a wave, and by default loading the
+    residual into the staging buffers by TMA while the mainloop runs (checked here with per-thread
+    loads: the statistics' stores are then the only global stores); the norm kernel moves the
     row in 16-byte vectors, its statistics combined by each thread. Both compile for sm_90a without spills; the GEMM reads
     no accumulator before the last wgmma wait."""
     from tvm_comfuse.schedule import split_norm as sn, wgmma_mainloop as wm, wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
 
     spec = wp.PostNorm.suite(dtype, norm)
     cfg = sn.config(m, n, 1024, spec)
-    assert cfg.persistent == (m // 128 * n // 256 > 132) and cfg.stage_tiles == cfg.persistent
-    gemm, norm_func, parts = sn.kernels(m, n, 1024, spec, dataclasses.replace(cfg, stage_tiles=False))
+    assert cfg.persistent == (m // 128 * n // 256 > 132) and cfg.stage_tiles  # (one wave: staged too, session 23)
+    gemm, norm_func, parts = sn.kernels(m, n, 1024, spec, dataclasses.replace(cfg, stage_tiles=False, tile_step=0))
     assert parts == n // 256
     source = codegen.cuda_source(wm.build(gemm))
     body = codegen.compile_with_nvcc(source, "sm_90a", fmt="ptx").decode()
@@ -447,13 +450,14 @@ def test_split_postnorm_in_one_kernel_meets_its_row_tile_once_and_normalises_on_
 
 @pytest.mark.parametrize("kernel", ["gemm", "gemm_one_step", "postnorm_768", "postnorm_768_bk32", "postnorm_512_cluster",
                                     "postnorm_1024", "rms_norm", "b2b", "b2b_bm64", "b2b_persistent", "postnorm_resident",
-                                    "postnorm_two_rounds", "postnorm_2ctas", "postnorm_pingpong", "elementwise_pingpong"])
+                                    "postnorm_two_rounds", "postnorm_2ctas", "postnorm_pingpong", "elementwise_pingpong",
+                                    "elementwise_staged_mid"])
 def test_wgmma_kernels_read_accumulators_only_after_the_last_wait(kernel):
     """No SASS instruction touches a wgmma accumulator while a wgmma group may still write it.
     ptxas hoists epilogue arithmetic above the final ``wait_group 0`` when the K loop leaves a
     group in flight: session 8's post-norm kernels were wrong on the H200 that way (max error ~1)
     while their PTX was in order; the mainloop's last step, issued outside the loop, prevents it."""
-    from tvm_comfuse.schedule import wgmma_b2b as wb, wgmma_elementwise as we, wgmma_mainloop as wm, wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
+    from tvm_comfuse.schedule import split_norm as sn, wgmma_b2b as wb, wgmma_elementwise as we, wgmma_mainloop as wm, wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
 
     if codegen.nvdisasm() is None:
         pytest.fail("nvdisasm is missing: pip install nvidia-cuda-nvdisasm (the test extra)")
@@ -473,6 +477,9 @@ def test_wgmma_kernels_read_accumulators_only_after_the_last_wait(kernel):
         "postnorm_2ctas": lambda: wp.wgmma_postnorm(4096, 1024, 256, ln, wm.WgmmaConfig(64, 256, 3, 32, 2, ctas_per_sm=2, producer_warps=1)),
         "postnorm_pingpong": lambda: wp.wgmma_postnorm(16384, 768, 256, ln, wm.WgmmaConfig(64, 192, 4, 64, 1, 1, True, pingpong=True)),
         "elementwise_pingpong": lambda: we.wgmma_elementwise(4096, 4096, 1024, _ffn1(), wm.WgmmaConfig(64, 256, 7, 32, pingpong=True)),
+        # one tile a CTA, the residual's TMA load issued inside the K loop (session 23)
+        "elementwise_staged_mid": lambda: we.wgmma_elementwise(4096, 768, 3072, dataclasses.replace(sn.gemm_spec(ln), stats=""),
+                                                               wm.WgmmaConfig(128, 192, 4, stage_tiles=True, tile_step=4)),
     }[kernel]()
     sass = codegen.sass(codegen.compile_with_nvcc(codegen.cuda_source(wm.build(func)), "sm_90a"))
     assert "HGMMA" in sass
