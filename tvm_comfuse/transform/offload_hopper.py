@@ -244,6 +244,22 @@ def uses_hopper(target, hopper: bool | None = None) -> bool:
 SPLIT_MIN_K = 4096
 
 
+def fills_a_wave(m, n, k, spec) -> bool:
+    """Whether the split's one-kernel form takes a group the cluster kernel could: where it takes
+    the group (one wave of tiles: :func:`exchange_call`) and its grid fills more than half the
+    SMs. Measured there (H100, session 23, ``experiments/residual_load.py``, BERT's post-norms at
+    4096 rows: 128 CTAs, device us against the cluster kernel): 32.1 against 37.5 at 4096 x 3072 ->
+    768, 13.6 against 13.9 at 4096 x 768 -> 768, 19.8 against 21.1 at 4096 x 1024 -> 1024, with
+    its residual staged. Smaller grids keep the cluster kernel, whose 64-row tiles give them twice
+    the CTAs (not measured against each other there)."""
+    from ..schedule import split_norm as sn, wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
+
+    if sn.exchange_problems(m, n, k, spec):
+        return False
+    cfg = sn.config(m, n, k, spec)
+    return 2 * -(-m // cfg.bm) * (n // cfg.bn) > wp.SM_COUNT
+
+
 def postnorm_kernel(m, n, k, spec, split: bool = False) -> tuple:
     """Which Hopper kernel computes a post-norm group: ``("cluster", [])`` where the post-norm
     kernel's cluster holds its rows (:mod:`~tvm_comfuse.schedule.wgmma_postnorm`), else, for
@@ -251,10 +267,8 @@ def postnorm_kernel(m, n, k, spec, split: bool = False) -> tuple:
     and the norm kernel take it (:mod:`~tvm_comfuse.schedule.split_norm`), else ``(None, what
     keeps each)``. Where K is at least :data:`SPLIT_MIN_K` the split takes what it can of the
     cluster kernel's groups too (measured faster there), and so does the split's one-kernel form
-    wherever it takes them (one wave of tiles: :func:`exchange_call`; on the H100, session 23,
-    ``experiments/residual_load.py``, device us against the cluster kernel: 32.1 against 37.5 at
-    4096 x 3072 -> 768, 13.6 against 13.9 at 4096 x 768 -> 768, 19.8 against 21.1 at 4096 x 1024
-    -> 1024, with its residual staged). Groups that also return the sum before
+    where one wave of its tiles covers the rows and fills the SMs (:func:`fills_a_wave`; measured
+    faster there). Groups that also return the sum before
     the norm (a pre-norm block's residual stream) run split too (its GEMM kernel writes that sum
     anyway), and so do chains with other than a bias and a residual (a bias-less projection's
     residual alone, LLaMA's), which the post-norm kernel does not express. Rows a cluster could
@@ -266,8 +280,7 @@ def postnorm_kernel(m, n, k, spec, split: bool = False) -> tuple:
     cluster = wp.problems(m, n, k, spec)
     if not cluster:
         long_k = isinstance(k, int) and k >= SPLIT_MIN_K
-        one_kernel = not sn.exchange_problems(m, n, k, spec)
-        return ("split", []) if (split or long_k or one_kernel) and not sn.problems(m, n, k, spec) else ("cluster", [])
+        return ("split", []) if (split or long_k or fills_a_wave(m, n, k, spec)) and not sn.problems(m, n, k, spec) else ("cluster", [])
     if not isinstance(n, int) or (wp.slices(n) and not spec.sum_out and len(spec.operands) == 2):
         return None, cluster
     found = sn.problems(m, n, k, spec)
