@@ -94,10 +94,11 @@ class WgmmaConfig:
     #: (no fill of an empty ring a tile, no launch a tile). Implied by ``pingpong`` outside the
     #: post-norm kernel (:mod:`.wgmma_elementwise`).
     persistent: bool = False
-    #: A persistent GEMM + elementwise kernel's consumer warpgroups load their part of the tile
-    #: operand in the output's dtype (the residual) into their staging buffer by TMA while their
-    #: mainloop runs, and read it from there, in place of per-thread global loads in the
-    #: accumulator layout (:mod:`.wgmma_elementwise`; the post-norm kernel stages its own).
+    #: A GEMM + elementwise kernel's consumer warpgroups load their part of the tile operand in
+    #: the output's dtype (the residual) into their staging buffer by TMA while their mainloop
+    #: runs, and read it from there, in place of per-thread global loads in the accumulator
+    #: layout (:mod:`.wgmma_elementwise`; the post-norm kernel stages its own). The buffers lie
+    #: beside the ring: persistent CTAs have them anyway, one tile a CTA where they fit.
     stage_tiles: bool = False
     #: With ``stage_tiles``: the K step before whose wgmmas a consumer warpgroup issues its tile
     #: operand's TMA load (0: before the first; past the last: before the last). Why not always

@@ -532,9 +532,10 @@ def exchange_call(kernels: Kernels, name: str, found, cfg=None):
     (session 22, ``experiments/row_exchange.py``, device us, against the split's two kernels):
     BERT-base's FFN2 34.0 / 35.8 and 34.8 / 36.2, its attention output 14.9 / 15.9 and 14.8 /
     16.0, BERT-large's attention output 21.3 / 24.3 and 21.0 / 23.9, its FFN2 55.9 / 54.6, then,
-    gamma and beta loaded before the barrier, 54.2 / 54.8. On the H200 its first version (a
-    costlier barrier) was slower than the split at three of the four; the current one has not
-    run there.
+    gamma and beta loaded before the barrier, 54.2 / 54.8; session 23, the residual staged by
+    TMA once the ring is full: 32.1, 13.6, 19.8 and 54.0 (``experiments/residual_load.py``). On
+    the H200 its first version (a costlier barrier) was slower than the split at three of the
+    four; the current one has not run there.
 
     The barrier's words are a zero constant of the module, one per call (a count that every
     launch leaves a multiple of the row tile's CTAs; :mod:`~tvm_comfuse.schedule.row_exchange`),
