@@ -27,12 +27,10 @@ Run: ``bash .ci/gpu-run notebooks/results/experiments/residual_load.py`` (``$OUT
 import dataclasses
 import sys
 
-import torch
-import tvm
 
-from row_exchange import SHAPES, exchange  # the same directory: sys.path[0] when run as a script
+from row_exchange import SHAPES, exchange, split_gemm  # the same directory: sys.path[0] when run as a script
 from split_norm import split
-from wgmma_gemm import build, cluster_cases, error_text, save, timed
+from wgmma_gemm import cluster_cases, save
 
 from tvm_comfuse.schedule import split_norm as sn
 
@@ -48,25 +46,6 @@ def staged(m, n, k, spec, step: int):
     return None
 
 
-def split_gemm(m, n, k, spec, cfg, inputs, base, contender) -> dict:
-    """The split's GEMM kernel alone (the sum and its statistics) in configuration ``cfg``."""
-    row = dict(base, contender=contender, config=dataclasses.asdict(cfg))
-    try:
-        gemm = build(sn.kernels(m, n, k, spec, cfg)[0])["main"]
-        y = torch.full((m, n), float("nan"), device="cuda", dtype=inputs[0].dtype)
-        stats = torch.empty(m, n // cfg.wg_cols, 2, device="cuda")
-        args = [tvm.runtime.from_dlpack(t) for t in (*inputs[:4], y, stats)]
-        gemm(*args)
-        torch.cuda.synchronize()
-        x, w, b, r = (t.float() for t in inputs[:4])
-        row["max_abs_err"] = float((y.float() - ((x @ w.T).half().float() + b).half().float() - r).abs().max())
-        timed(row, lambda: gemm(*args))
-    except Exception as err:  # pylint: disable=broad-except
-        row["error"] = error_text(err)
-    print(f"  {contender}: {row.get('kernel_us', row.get('error'))}", flush=True)
-    return row
-
-
 def main():
     rows = []
     shapes = [tuple(map(int, a.split("x"))) for a in sys.argv[1:] if "x" in a] or SHAPES
@@ -77,11 +56,11 @@ def main():
             cfg = staged(m, n, k, spec, step)
             if cfg is not None:
                 rows.append(exchange(m, n, k, spec, inputs, out, ref, base, f"exchange_staged_{step}", cfg))
-        rows.append(split_gemm(m, n, k, spec, sn.config(m, n, k, spec), inputs, base, "split_gemm"))
+        rows.append(split_gemm(m, n, k, spec, inputs, base))
         for step in (0, "stages"):
             cfg = staged(m, n, k, spec, step)
             if cfg is not None:
-                rows.append(split_gemm(m, n, k, spec, cfg, inputs, base, f"split_gemm_staged_{step}"))
+                rows.append(split_gemm(m, n, k, spec, inputs, base, cfg, f"split_gemm_staged_{step}"))
         save("residual-load.json", rows)
 
 
