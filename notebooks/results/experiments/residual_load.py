@@ -27,7 +27,6 @@ Run: ``bash .ci/gpu-run notebooks/results/experiments/residual_load.py`` (``$OUT
 import dataclasses
 import sys
 
-
 from row_exchange import SHAPES, exchange, split_gemm  # the same directory: sys.path[0] when run as a script
 from split_norm import split
 from wgmma_gemm import cluster_cases, save
