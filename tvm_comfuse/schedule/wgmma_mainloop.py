@@ -103,7 +103,7 @@ class WgmmaConfig:
     #: With ``stage_tiles``: the K step before whose wgmmas a consumer warpgroup issues its tile
     #: operand's TMA load (0: before the first; past the last: before the last). Why not always
     #: the first: at one wave every CTA fills its ring at once, and a tile operand loaded beside
-    #: those first K steps delays them (session 22, ``experiments/epilogue_parts.py``).
+    #: those first K steps delays them (session 23, ``experiments/residual_load.py``).
     tile_step: int = 0
     #: A persistent GEMM + elementwise kernel walks its tiles in groups of this many row tiles,
     #: every column slice of a group before the next group (0: all the row tiles at once, column
