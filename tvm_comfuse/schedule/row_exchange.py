@@ -80,13 +80,18 @@ __forceinline__ __device__ float {_LOAD}(const float* p) {{
 """
 
 
+def tiles(m: int, n: int, cfg: WgmmaConfig) -> int:
+    """The CTAs of the kernel's grid: one a ``bm x bn`` tile (the last row tile may be partial)."""
+    return -(-m // cfg.bm) * (n // cfg.bn)
+
+
 def problems(m: int, n: int, cfg: WgmmaConfig, spec: PostNorm, sum_dtype: str) -> list:
     """What keeps the kernel from normalising ``spec``'s rows in the GEMM kernel of configuration
     ``cfg`` (empty if nothing), beyond what keeps the split's GEMM (:func:`.split_norm.problems`)."""
-    tiles = -(-m // cfg.bm) * (n // cfg.bn)
+    ctas = tiles(m, n, cfg)
     found = []
-    if cfg.persistent or cfg.pingpong or tiles > SM_COUNT:
-        found.append(f"{tiles} tiles of {cfg.bm} x {cfg.bn}{' on persistent CTAs' if cfg.persistent or cfg.pingpong else ''} "
+    if cfg.persistent or cfg.pingpong or ctas > SM_COUNT:
+        found.append(f"{ctas} tiles of {cfg.bm} x {cfg.bn}{' on persistent CTAs' if cfg.persistent or cfg.pingpong else ''} "
                      f"(one tile a CTA, at most {SM_COUNT}: every CTA resident at once)")
     if spec.norm_out or spec.sum_out:
         found.append("a second output (the float32 norm or the sum): the norm is written once, in place of the sum")

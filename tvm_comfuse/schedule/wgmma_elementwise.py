@@ -232,14 +232,21 @@ def default_config(m: int, n: int, k: int, spec: Elementwise = Elementwise()) ->
             for stages in (4, 3):
                 looped = dataclasses.replace(cfg, stages=stages, bk=bk, persistent=True)
                 if not looped.problems(_padded(m, cfg.bm), n, k, spec.dtype) and stages_output(spec, looped):
-                    return dataclasses.replace(looped, group_rows=group_rows(m, k, spec, looped),
-                                               stage_tiles=staged_tile(spec) is not None)
+                    looped = dataclasses.replace(looped, group_rows=group_rows(m, k, spec, looped))
+                    return staging(looped) if staged_tile(spec) is not None else looped
     if staged_tile(spec) is not None:
         for stages in range(cfg.stages, 2, -1):
-            staged = dataclasses.replace(cfg, stages=stages, stage_tiles=True, tile_step=stages)
+            staged = staging(dataclasses.replace(cfg, stages=stages))
             if not problems(m, n, k, spec, staged):
                 return staged
     return cfg
+
+
+def staging(cfg: WgmmaConfig) -> WgmmaConfig:
+    """``cfg`` loading its tile operand by TMA into the staging buffers (``stage_tiles``): one tile
+    a CTA once its ring is full (``tile_step = stages``, session 23), persistent CTAs before the
+    first K step (sessions 19-20: measured so). What the default and the tuning space stage."""
+    return dataclasses.replace(cfg, stage_tiles=True, tile_step=0 if persistent(cfg) else cfg.stages)
 
 
 def group_rows(m: int, k: int, spec: Elementwise, cfg: WgmmaConfig) -> int:

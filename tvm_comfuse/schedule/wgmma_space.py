@@ -68,8 +68,8 @@ def elementwise_configs(m: int, n: int, k: int, spec: we.Elementwise) -> list[Wg
     found = [default]
     walks = ((False, False), (False, True), (True, False), (True, True))
     for (bm, bn), stages, bk, (persistent, stage_tiles) in itertools.product(we.TILES, STAGES, K_STEPS, walks):
-        cfg = WgmmaConfig(bm=bm, bn=bn, stages=stages, bk=bk, persistent=persistent, stage_tiles=stage_tiles,
-                          tile_step=stages if stage_tiles and not persistent else 0)
+        cfg = WgmmaConfig(bm=bm, bn=bn, stages=stages, bk=bk, persistent=persistent)
+        cfg = we.staging(cfg) if stage_tiles else cfg
         cfg = dataclasses.replace(cfg, group_rows=we.group_rows(m, k, spec, cfg))  # the default's walk
         # a persistent ring that leaves no room for its staging buffers stores from registers (34%
         # slower for FFN1 on the H200, session 15): left out where the output could be staged

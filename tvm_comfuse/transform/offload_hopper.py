@@ -252,12 +252,9 @@ def fills_a_wave(m, n, k, spec) -> bool:
     768, 13.6 against 13.9 at 4096 x 768 -> 768, 19.8 against 21.1 at 4096 x 1024 -> 1024, with
     its residual staged. Smaller grids keep the cluster kernel, whose 64-row tiles give them twice
     the CTAs (not measured against each other there)."""
-    from ..schedule import split_norm as sn, wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
+    from ..schedule import row_exchange, split_norm as sn, wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
 
-    if sn.exchange_problems(m, n, k, spec):
-        return False
-    cfg = sn.config(m, n, k, spec)
-    return 2 * -(-m // cfg.bm) * (n // cfg.bn) > wp.SM_COUNT
+    return not sn.exchange_problems(m, n, k, spec) and 2 * row_exchange.tiles(m, n, sn.config(m, n, k, spec)) > wp.SM_COUNT
 
 
 def postnorm_kernel(m, n, k, spec, split: bool = False) -> tuple:
