@@ -372,11 +372,13 @@ def test_wgmma_elementwise_refuses_what_persistent_ctas_cannot_run():
 
 
 @pytest.mark.parametrize("m, n, dtype, norm", [(8192, 4096, "float16", "layer_norm"), (1000, 8192, "bfloat16", "rms_norm"),
-                                               (16384, 256, "float16", "layer_norm")])  # one part a row: nothing to combine
+                                               (16384, 256, "float16", "layer_norm"),  # one part a row: nothing to combine
+                                               (8192, 4096, "float16", "softmax")])
 def test_split_postnorm_kernels_write_row_statistics_from_the_staged_sum(m, n, dtype, norm):
     """A post-norm too wide for a cluster (or run split): the GEMM kernel stages the sum (bias,
     residual) for its TMA stores, reads it back for each row's statistics over the warpgroup's
-    256 columns (quad shuffles; two passes for LayerNorm) and stores only those to global
+    256 columns (quad shuffles; two passes for LayerNorm, and for softmax: the max, then the sum
+    of exponentials) and stores only those to global
     memory, persistent where its tiles take more than a wave, and by default loading the
     residual into the staging buffers by TMA while the mainloop runs (checked here with per-thread
     loads: the statistics' stores are then the only global stores); the norm kernel moves the
@@ -392,7 +394,7 @@ def test_split_postnorm_kernels_write_row_statistics_from_the_staged_sum(m, n, d
     source = codegen.cuda_source(wm.build(gemm))
     body = codegen.compile_with_nvcc(source, "sm_90a", fmt="ptx").decode()
     body = body[body.index(".entry"):]
-    assert body.count("shfl.sync.bfly.b32") == (8 if norm == "layer_norm" else 4)  # 2 rows x 2 lanes x passes
+    assert body.count("shfl.sync.bfly.b32") == (4 if norm == "rms_norm" else 8)  # 2 rows x 2 lanes x passes
     stores = [line for line in body.splitlines() if "st.global" in line]  # the statistics only: 2 rows x 2 values
     assert len(stores) == 4 and all(".f32" in line or ".u32" in line for line in stores)  # (RMSNorm's second is a 0)
     assert "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group" in body
@@ -418,7 +420,7 @@ def test_split_postnorm_kernels_write_row_statistics_from_the_staged_sum(m, n, d
 
 
 @pytest.mark.parametrize("m, n, k, dtype, norm", [(4096, 768, 3072, "float16", "layer_norm"), (4096, 1024, 4096, "float16", "layer_norm"),
-                                                  (1000, 1024, 768, "bfloat16", "rms_norm")])
+                                                  (1000, 1024, 768, "bfloat16", "rms_norm"), (4096, 768, 768, "float16", "softmax")])
 def test_split_postnorm_in_one_kernel_meets_its_row_tile_once_and_normalises_on_chip(m, n, k, dtype, norm):
     """The split post-norm's one-kernel form (``row_exchange``), where one wave of tiles covers the
     rows: no spills, no accumulator read before the last wgmma wait, one 64-bit atomic a CTA and
@@ -436,8 +438,9 @@ def test_split_postnorm_in_one_kernel_meets_its_row_tile_once_and_normalises_on_
     body = ptx[ptx.index(".entry"):]
     assert body.count("atom.acq_rel.gpu.global.add.u64") == 1 and "ld.acquire.gpu.global.u64" in body
     parts = n // sn.config(m, n, k, spec).wg_cols
-    assert body.count("ld.global.cg.f32") == 2 * parts * (1 if norm == "rms_norm" else 2)  # two rows' parts (and M2s)
-    assert body.index("ld.global") < body.index("atom.acq_rel")  # gamma (and beta) before the barrier
+    assert body.count("ld.global.cg.f32") == 2 * parts * (1 if norm == "rms_norm" else 2)  # two rows' parts (and M2s or sums)
+    if norm != "softmax":  # (which has no gamma)
+        assert body.index("ld.global") < body.index("atom.acq_rel")  # gamma (and beta) before the barrier
     stores = [line for line in body.splitlines() if "st.global" in line]
     assert len(stores) == 4  # the statistics only: 2 rows x 2 values
     assert "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group" in body

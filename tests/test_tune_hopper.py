@@ -396,14 +396,15 @@ def test_descriptions_leave_fields_added_later_out_at_their_defaults():
         assert hopper.Description.from_json(desc.to_json()) == desc
 
 
-def _wide():
-    return workloads.post_norm(256, 512, 8192, "float16", "rms_norm", linear=True)
+def _wide(norm="rms_norm"):
+    return workloads.post_norm(256, 512, 8192, "float16", norm, linear=True)
 
 
-def test_split_post_norms_are_tasks_of_their_gemm():
-    """A post-norm too wide for a cluster runs split: its task is the GEMM kernel's
-    (``wgmma_split_gemm``), its workload what that kernel computes (the sum and its row
-    statistics, written in TE: on llvm it matches the kernel's NumPy model), its space every
+@pytest.mark.parametrize("norm", ["rms_norm", "softmax"])
+def test_split_post_norms_are_tasks_of_their_gemm(norm):
+    """A post-norm too wide for a cluster runs split (softmax: wherever it runs on sm_90): its
+    task is the GEMM kernel's (``wgmma_split_gemm``), its workload what that kernel computes (the
+    sum and its row statistics, written in TE: on llvm it matches the kernel's NumPy model), its space every
     GEMM + elementwise configuration with the default's warpgroup width (so every candidate
     writes the statistics in the same parts), and a candidate builds with the workload's
     signature."""
@@ -412,11 +413,11 @@ def test_split_post_norms_are_tasks_of_their_gemm():
     from tvm_comfuse.schedule import split_norm as sn  # pylint: disable=import-outside-toplevel
 
     target = tvm.target.Target(H100)
-    (task,) = extract_tasks(_wide(), target)
+    (task,) = extract_tasks(_wide(norm), target)
     desc = hopper.description_of(task.mod)
-    assert task.kind == "wgmma_split_gemm" and desc.family == "split" and desc.spec.stats == "rms_norm"
+    assert task.kind == "wgmma_split_gemm" and desc.family == "split" and desc.spec.stats == norm
     space = desc.configs()
-    assert space[0] == sn.config(256, 8192, 512, wp.PostNorm.suite("float16", "rms_norm")) and len(space) > 1
+    assert space[0] == sn.config(256, 8192, 512, wp.PostNorm.suite("float16", norm)) and len(space) > 1
     assert {c.wg_cols for c in space} == {space[0].wg_cols}
     ctx = ms.TuneContext(mod=task.mod, target=target, space_generator=hopper.space(target), task_name="t", num_threads=1)
     assert [hopper.config_of(s.trace, "split") for s in ctx.generate_design_space()] == space
@@ -430,7 +431,7 @@ def test_split_post_norms_are_tasks_of_their_gemm():
     parts = 512 // small.configs()[0].wg_cols
     args = [tvm.runtime.tensor(a) for a in (x, w, b, r + 3, np.zeros((2, 32, 512), "float16"), np.zeros((64, parts, 2), "float32"))]
     lib["main"](*args)
-    y, stats = sn.reference_gemm(wp.PostNorm.suite("float16", "rms_norm"), x, w, (b, r + 3), parts)
+    y, stats = sn.reference_gemm(wp.PostNorm.suite("float16", norm), x, w, (b, r + 3), parts)
     assert np.abs(args[4].numpy().astype(np.float32) - y.astype(np.float32)).max() <= 1e-2
     assert np.allclose(args[5].numpy(), stats, rtol=1e-3, atol=1e-3)
 

@@ -112,10 +112,12 @@ def normalize(spec: PostNorm, cfg: WgmmaConfig, m: int, n: int, staged_at):
     at ``(row0, col0)`` is staged in ``O[0, wg]`` and whose statistics over it are written to
     ``stats[row, col0 / wg_cols]``: meet the other CTAs of row tile ``tile`` (:func:`barrier`),
     combine its two rows' ``n / wg_cols`` parts (Chan et al., as the split's norm kernel does:
-    :func:`.split_norm.norm_func`) and rewrite its staged values as ``norm(y) * gamma (+ beta)``
-    in ``spec.out_dtype``, ready for the TMA store. ``staged_at(at)``: where element ``at`` of
-    the part lies in ``O[0, wg]``."""
-    parts, cols, rms = n // cfg.wg_cols, cfg.wg_cols, spec.norm == "rms_norm"  # (N: a multiple of the tile)
+    :func:`.split_norm.norm_func`; softmax's maxima and sums of exponentials by rescaling each
+    part's sum to the row's max) and rewrite its staged values as ``norm(y) * gamma (+ beta)``
+    (softmax: ``exp(y - max) / sum``) in ``spec.out_dtype``, ready for the TMA store.
+    ``staged_at(at)``: where element ``at`` of the part lies in ``O[0, wg]``."""
+    parts, cols = n // cfg.wg_cols, cfg.wg_cols  # (N: a multiple of the tile)
+    rms, softmax = spec.norm == "rms_norm", spec.norm == "softmax"
     acc_n, ctas = cols // 2, n // cfg.bn
 
     def load(stats, row, p, j):
@@ -133,8 +135,9 @@ def normalize(spec: PostNorm, cfg: WgmmaConfig, m: int, n: int, staged_at):
         bs = T.alloc_local([acc_n // 2], spec.params_dtype)
         for q in T.unroll(acc_n // 4):
             for j in T.vectorized(2):
-                gs[2 * q + j] = gamma[col0 + fragment(tw, 4 * q + j)[1]]
-                if not rms:
+                if not softmax:
+                    gs[2 * q + j] = gamma[col0 + fragment(tw, 4 * q + j)[1]]
+                if not rms and not softmax:
                     bs[2 * q + j] = beta[col0 + fragment(tw, 4 * q + j)[1]]
         T.ptx["bar.sync"](CONSUMER_BARRIER, 128 * cfg.consumers)  # every warpgroup's statistics are written
         if wg == 0:
@@ -143,18 +146,24 @@ def normalize(spec: PostNorm, cfg: WgmmaConfig, m: int, n: int, staged_at):
         T.ptx["bar.sync"](CONSUMER_BARRIER, 128 * cfg.consumers)  # the row tile's CTAs have all written theirs
         mean = T.alloc_local([2], "float32")
         rstd = T.alloc_local([2], "float32")
-        means = T.alloc_local([parts], "float32")  # a row's parts' means, each read once
+        means = T.alloc_local([parts], "float32")  # a row's parts' means (softmax: maxima), each read once
         for h in T.unroll(2):  # the thread's rows: accumulators 4q + 2h + (0, 1)
             row = T.meta_var(T.min(row0 + fragment(tw, 2 * h)[0], m - 1))  # rows past M: not stored
-            mean[h] = T.float32(0)
+            mean[h] = T.min_value("float32") if softmax else T.float32(0)
             for p in T.unroll(parts):
                 means[p] = load(stats, row, p, 0)
-                mean[h] = mean[h] + means[p]
-            mean[h] = mean[h] * T.float32(1.0 / parts)  # of squares, for RMSNorm
-            if rms:
+                mean[h] = T.max(mean[h], means[p]) if softmax else mean[h] + means[p]
+            if softmax:  # mean: the row's max; rstd: 1 / its sum of exponentials
+                rstd[h] = T.float32(0)
+                for p in T.unroll(parts):
+                    rstd[h] = rstd[h] + load(stats, row, p, 1) * T.exp(means[p] - mean[h])
+                rstd[h] = T.float32(1) / rstd[h]
+            elif rms:
+                mean[h] = mean[h] * T.float32(1.0 / parts)  # of squares
                 rstd[h] = T.rsqrt(mean[h] + T.float32(spec.eps))
                 mean[h] = T.float32(0)
             else:
+                mean[h] = mean[h] * T.float32(1.0 / parts)
                 rstd[h] = T.float32(0)
                 for p in T.unroll(parts):
                     rstd[h] = rstd[h] + load(stats, row, p, 1) + T.float32(cols) * (means[p] - mean[h]) * (means[p] - mean[h])
@@ -165,7 +174,9 @@ def normalize(spec: PostNorm, cfg: WgmmaConfig, m: int, n: int, staged_at):
                     lrow, lcol = T.meta_var(fragment(tw, 4 * q + 2 * h + j))
                     at = T.meta_var((0, wg, *staged_at((lrow, lcol))))
                     v = T.meta_var((T.cast(O[at], "float32") - mean[h]) * rstd[h] * wide(gs[2 * q + j]))
-                    if rms:
+                    if softmax:
+                        O[at] = T.cast(T.exp(T.cast(O[at], "float32") - mean[h]) * rstd[h], spec.out_dtype)
+                    elif rms:
                         O[at] = T.cast(v, spec.out_dtype)
                     else:
                         O[at] = T.cast(v + wide(bs[2 * q + j]), spec.out_dtype)

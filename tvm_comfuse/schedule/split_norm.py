@@ -15,7 +15,9 @@ across CTAs. Here:
    (``Elementwise.stats``): the row statistics cost no pass over HBM.
 2. One light kernel (:func:`norm_func`, scheduled by :func:`schedule_norm`) combines each row's
    parts (Chan et al.: ``M2 = sum M2_i + n_i sum (mean_i - mean)^2``, no cancellation) and
-   writes ``norm(y) * gamma + beta``.
+   writes ``norm(y) * gamma + beta``. Softmax (session 24) the same way: each part's max and
+   sum of ``exp(y - max)``, combined as ``S = sum_i S_i exp(max_i - max)`` (the online
+   softmax's rescaling), then ``exp(y - max) / S``.
 
 Against cuBLAS + a separate LayerNorm (torch.compile's plan) this saves the residual's read and
 the statistics' pass from the norm kernel, which reads ``y`` and writes the output, nothing else.
@@ -149,7 +151,7 @@ def flags_shape(m: int, n: int, k: int, spec: PostNorm, cfg: WgmmaConfig | None 
     return (-(-m // config(m, n, k, spec, cfg).bm), 2)
 
 
-def reference_exchange(spec: PostNorm, x, w, operands, parts: int, gamma, beta=None):
+def reference_exchange(spec: PostNorm, x, w, operands, parts: int, gamma=None, beta=None):
     """NumPy model of :func:`exchange_kernel`: ``(out, stats)`` (the norm as the split's kernels
     compute it, from the same rounded sum and statistics)."""
     y, stats = reference_gemm(spec, x, w, operands, parts)
@@ -159,22 +161,27 @@ def reference_exchange(spec: PostNorm, x, w, operands, parts: int, gamma, beta=N
 def norm_func(m: int, n: int, parts: int, spec: PostNorm, lead=None) -> tvm.tirx.PrimFunc:
     """The norm from the row statistics, as a TE PrimFunc (unscheduled: it runs on llvm as it
     is, which is how the CPU tests check its numerics): parameters ``(y[*lead, N], stats[M, parts,
-    2], gamma[N], beta[N] (LayerNorm), out[*lead, N] (, norm[*lead, N] float32 with
+    2], gamma[N] (not softmax), beta[N] (LayerNorm), out[*lead, N] (, norm[*lead, N] float32 with
     spec.norm_out))``, ``lead`` the rows' dims (``(M,)`` by default; ``y`` too is ``[*lead, N]``)."""
     lead = tuple(lead or (m,))
     y = te.placeholder((*lead, n), sum_dtype(spec), "y")
     stats = te.placeholder((m, parts, 2), "float32", "stats")
-    gamma = te.placeholder((n,), spec.params_dtype, "gamma")
-    beta = te.placeholder((n,), spec.params_dtype, "beta") if spec.norm == "layer_norm" else None
+    gamma, beta = (te.placeholder((n,), spec.params_dtype, name) if name in spec.params else None for name in ("gamma", "beta"))
     f32 = lambda v: v.astype("float32") if v.dtype != "float32" else v  # noqa: E731
     p = te.reduce_axis((0, parts), "p")
-    mean = te.compute((m,), lambda i: te.sum(stats[i, p, 0], axis=p), name="mean_sum")  # of squares for RMSNorm
+    if spec.norm == "softmax":  # the row's max, then its sum of exponentials, each part's rescaled to that max
+        mean = te.compute((m,), lambda i: te.max(stats[i, p, 0], axis=p), name="row_max")
+        q = te.reduce_axis((0, parts), "q")
+        total = te.compute((m,), lambda i: te.sum(stats[i, q, 1] * te.exp(stats[i, q, 0] - mean[i]), axis=q), name="exp_sum")
+        inv = te.compute((m,), lambda i: te.const(1.0, "float32") / total[i], name="inv_sum")
+    else:
+        mean = te.compute((m,), lambda i: te.sum(stats[i, p, 0], axis=p), name="mean_sum")  # of squares for RMSNorm
     if spec.norm == "layer_norm":
         q, cols = te.reduce_axis((0, parts), "q"), n // parts
         dev = te.compute((m,), lambda i: te.sum(stats[i, q, 1] + cols * (stats[i, q, 0] - mean[i] / parts) * (stats[i, q, 0] - mean[i] / parts),
                                                 axis=q), name="dev_sum")
         rstd = te.compute((m,), lambda i: te.rsqrt(dev[i] / n + te.const(spec.eps, "float32")), name="rstd")
-    else:
+    elif spec.norm == "rms_norm":
         rstd = te.compute((m,), lambda i: te.rsqrt(mean[i] / parts + te.const(spec.eps, "float32")), name="rstd")
 
     def row(idx):  # the flat row of index idx of the rows' dims
@@ -184,6 +191,8 @@ def norm_func(m: int, n: int, parts: int, spec: PostNorm, lead=None) -> tvm.tirx
         r, j = row(idx[:-1]), idx[-1]
         if spec.norm == "layer_norm":
             return (f32(y[idx]) - mean[r] / parts) * rstd[r] * f32(gamma[j]) + f32(beta[j])
+        if spec.norm == "softmax":
+            return te.exp(f32(y[idx]) - mean[r]) * inv[r]
         return f32(y[idx]) * rstd[r] * f32(gamma[j])
 
     if spec.norm_out:  # the float32 norm, and its cast
@@ -191,7 +200,7 @@ def norm_func(m: int, n: int, parts: int, spec: PostNorm, lead=None) -> tvm.tirx
         outs = [te.compute((*lead, n), lambda *idx: normed(*idx).astype(spec.out_dtype), name="out"), normed]
     else:
         outs = [te.compute((*lead, n), lambda *idx: value(*idx).astype(spec.out_dtype), name="out")]
-    params = [y, stats, gamma] + ([beta] if beta is not None else []) + outs
+    params = [y, stats] + [t for t in (gamma, beta) if t is not None] + outs
     return te.create_prim_func(params)
 
 
@@ -237,11 +246,17 @@ def schedule_norm(func: tvm.tirx.PrimFunc, m: int, n: int, spec: PostNorm) -> tv
         sch.reverse_compute_at(b, chunks)
         inner = sch.get_loops(b)[-1]
         sch.vectorize(sch.split(inner, [None, 16 // size(sch.get(b).writes[0].source.dtype)])[-1])
-    for name in ("rstd", "dev_sum", "mean_sum") if spec.norm == "layer_norm" else ("rstd", "mean_sum"):
+    for name in _STAT_BLOCKS[spec.norm]:
         block = sch.get_sblock(name)
         sch.compute_at(block, tx)
         sch.set_scope(block, 0, "local")
     return sch.mod["main"]
+
+
+#: The norm kernel's per-row blocks (:func:`norm_func`), each consumer before what it reads: what
+#: :func:`schedule_norm` computes in each thread's registers.
+_STAT_BLOCKS = {"layer_norm": ("rstd", "dev_sum", "mean_sum"), "rms_norm": ("rstd", "mean_sum"),
+                "softmax": ("inv_sum", "exp_sum", "row_max")}
 
 
 def reference_gemm(spec: PostNorm, x, w, operands, parts: int):
@@ -252,11 +267,15 @@ def reference_gemm(spec: PostNorm, x, w, operands, parts: int):
 
 def row_statistics(y, parts: int, norm: str):
     """NumPy model of ``Elementwise.stats``: ``[M, parts, 2]`` float32 over each row's ``parts``
-    equal parts of ``y``: mean and centred sum of squares (LayerNorm), or mean of squares and 0."""
+    equal parts of ``y``: mean and centred sum of squares (LayerNorm), mean of squares and 0
+    (RMSNorm), or max and sum of ``exp(y - max)`` (softmax)."""
     import numpy as np  # pylint: disable=import-outside-toplevel
 
     pieces = np.asarray(y).astype(np.float32).reshape(-1, parts, y.shape[-1] // parts)
-    if norm == "layer_norm":
+    if norm == "softmax":
+        top = pieces.max(-1)
+        stats = np.stack([top, np.exp(pieces - top[..., None]).sum(-1)], -1)
+    elif norm == "layer_norm":
         mean = pieces.mean(-1)
         stats = np.stack([mean, ((pieces - mean[..., None]) ** 2).sum(-1)], -1)
     else:
@@ -264,8 +283,9 @@ def row_statistics(y, parts: int, norm: str):
     return stats.astype(np.float32)
 
 
-def reference_norm(spec: PostNorm, y, stats, gamma, beta=None, lead=None) -> list:
-    """NumPy model of the norm kernel (Chan et al.'s combination of the parts)."""
+def reference_norm(spec: PostNorm, y, stats, gamma=None, beta=None, lead=None) -> list:
+    """NumPy model of the norm kernel (Chan et al.'s combination of the parts; softmax's by
+    rescaling)."""
     import numpy as np  # pylint: disable=import-outside-toplevel
 
     f32 = lambda a: np.asarray(a).astype(np.float32)  # noqa: E731
@@ -273,7 +293,10 @@ def reference_norm(spec: PostNorm, y, stats, gamma, beta=None, lead=None) -> lis
     y = np.asarray(y).reshape(-1, n)
     cols = n // stats.shape[1]
     mean = stats[:, :, 0].mean(1, keepdims=True)
-    if spec.norm == "layer_norm":
+    if spec.norm == "softmax":
+        top = stats[:, :, 0].max(1, keepdims=True)
+        out = np.exp(f32(y) - top) / (stats[:, :, 1] * np.exp(stats[:, :, 0] - top)).sum(1, keepdims=True)
+    elif spec.norm == "layer_norm":
         dev = (stats[:, :, 1] + cols * (stats[:, :, 0] - mean) ** 2).sum(1, keepdims=True)
         out = (f32(y) - mean) / np.sqrt(dev / y.shape[1] + spec.eps) * f32(gamma) + f32(beta)
     else:

@@ -48,7 +48,7 @@ from .wgmma_mainloop import TMA_LOAD, Ring, WgmmaConfig, box_rows, consumer_sync
 from .wgmma_postnorm import SM_COUNT
 
 #: Row statistics the kernel can write beside its output (:attr:`Elementwise.stats`).
-STATS = ("", "layer_norm", "rms_norm")
+STATS = ("", "layer_norm", "rms_norm", "softmax")
 #: L2 of the H100 and H200 (50 MB), and the row tiles a group of a persistent walk takes where x
 #: outgrows half of it beside a tile operand (:func:`group_rows`).
 L2_BYTES = 50 * 2**20
@@ -77,8 +77,9 @@ class Elementwise:
     layout: tuple = ()
     #: Also write each row's statistics over each consumer warpgroup's ``wg_cols`` columns, as
     #: a ``[M, N / wg_cols, 2]`` float32 output after ``out``: ``"layer_norm"``, the part's mean
-    #: and centred sum of squares; ``"rms_norm"``, its mean of squares (and 0). What the norm of
-    #: a row too wide for one cluster is applied from (:mod:`.split_norm`).
+    #: and centred sum of squares; ``"rms_norm"``, its mean of squares (and 0); ``"softmax"``, its
+    #: max and the sum of ``exp(value - max)``. What the norm of a row too wide for one cluster
+    #: is applied from (:mod:`.split_norm`).
     stats: str = ""
 
     def problems(self) -> list:
@@ -331,39 +332,47 @@ def statistics(spec: Elementwise, cfg: WgmmaConfig, m: int):
     norm reads), it reads them back and writes each of its two rows' statistics over the part to
     ``stats[row, col0 / wg_cols]``: the sum of its ``wg_cols / 4`` values, then its quad's
     (butterfly shuffles), for the mean (of squares: RMSNorm's); then LayerNorm's centred sum of
-    squares the same way (two passes: no cancellation).
+    squares the same way (two passes: no cancellation). Softmax's: the max the same way (a
+    max, not a sum), then the sum of ``exp(value - max)``.
     Why read back: the values die as they are staged; kept in registers for the statistics, all
     of a part's accumulators and residual loads are live at once and ptxas spills (60 bytes a
     thread at 8192 x 4096 -> 4096 with a residual). A no-op without ``spec.stats``."""
     acc_n, cols, wanted = cfg.wg_cols // 2, cfg.wg_cols, bool(spec.stats)
-    rms = spec.stats == "rms_norm"
+    rms, softmax = spec.stats == "rms_norm", spec.stats == "softmax"
     wide = lambda v: T.cast(v, "float32") if spec.out_dtype != "float32" else v  # noqa: E731
+
+    def first(total, v):  # the first pass's reduction: a sum (of squares for RMSNorm), softmax's max
+        return T.max(total, v) if softmax else total + (v * v if rms else v)
+
+    def second(v, mean):  # the second pass's terms, about the first's result
+        return T.exp(v - mean) if softmax else (v - mean) * (v - mean)
 
     # pylint: disable=invalid-name
     @T.macro
-    def quad_sum(part, j):  # part[j] summed over the four lanes of a quad (which hold a row's values between them)
+    def quad_reduce(part, j, combine):  # part[j] reduced over the four lanes of a quad (which hold a row's values between them)
         for lanes in T.unroll(2):
-            part[j] = part[j] + T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), part[j], 1 << lanes, 32, 32)
+            part[j] = combine(part[j], T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), part[j], 1 << lanes, 32, 32))
 
     @T.macro
     def row_stats(stats, O, wg, tw, row0, col0):
         if wanted:
             part = T.alloc_local([4], "float32")
             for h in T.unroll(2):  # the thread's rows: accumulators 4q + 2h + (0, 1)
-                part[h] = T.float32(0)
+                part[h] = T.min_value("float32") if softmax else T.float32(0)
                 part[2 + h] = T.float32(0)
                 for q in T.unroll(acc_n // 4):
                     for j in T.unroll(2):
                         v = T.meta_var(wide(O[(0, wg, *staged_at(fragment(tw, 4 * q + 2 * h + j), spec.out_dtype))]))
-                        part[h] = part[h] + (v * v if rms else v)
-                quad_sum(part, h)
-                part[h] = part[h] * T.float32(1.0 / cols)
+                        part[h] = first(part[h], v)
+                quad_reduce(part, h, T.max if softmax else lambda a, b: a + b)
+                if not softmax:
+                    part[h] = part[h] * T.float32(1.0 / cols)
                 if not rms:
                     for q in T.unroll(acc_n // 4):
                         for j in T.unroll(2):
                             v = T.meta_var(wide(O[(0, wg, *staged_at(fragment(tw, 4 * q + 2 * h + j), spec.out_dtype))]))
-                            part[2 + h] = part[2 + h] + (v - part[h]) * (v - part[h])
-                    quad_sum(part, 2 + h)
+                            part[2 + h] = part[2 + h] + second(v, part[h])
+                    quad_reduce(part, 2 + h, lambda a, b: a + b)
             if tw % 4 == 0:
                 for h in T.unroll(2):
                     row = T.meta_var(row0 + fragment(tw, 2 * h)[0])
@@ -607,7 +616,7 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
     # the parameter list depends on the operands: the signature is generated, the body is the macro above
     signature = [("x", (*lead, k), spec.dtype, (m, k)), ("w", (n, k), spec.dtype, None)]
     signature += [(f"p{j}", (*lead, n) if tile else (n,), d, (m, n) if tile else None) for j, (d, tile) in enumerate(spec.operands)]
-    params = [] if norm is None else ["gamma"] + (["beta"] if norm.norm == "layer_norm" else [])
+    params = [] if norm is None else list(norm.params)
     signature += [(p, (n,), norm.params_dtype, None) for p in params]
     signature += [] if norm is None else [("flags", (tiles_m, 2), "int32", None)]
     signature += [("out", spec.out_shape(lead, n), spec.out_dtype, (m * n,) if spec.layout else (m, n))]
@@ -618,7 +627,7 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
     lines += [f"    encode_{p}({p}_map, {p}_p.data)" for p in maps] + ["    T.device_entry()"]
     lines += [f"    {p} = T.decl_buffer({view}, {dt!r}, data={p}_p.data)" if view else f"    {p} = {p}_p" for p, _, dt, view in signature[2:]]
     operands = ", ".join(f"p{j}" for j in range(len(spec.operands)))
-    extra = "None, None, None" if norm is None else f"gamma, {'beta' if 'beta' in params else 'None'}, flags"
+    extra = "None, None, None" if norm is None else ", ".join(p if p in params else "None" for p in ("gamma", "beta")) + ", flags"
     lines += [f"    body(x_map, w_map, {'out_map' if staged else 'None'}, ({operands}{',' if operands else ''}), out, "
               f"{'stats' if spec.stats else 'None'}, {'None' if tile_in is None else f'p{tile_in}_map'}, {extra})"]
     return tvm.script.from_source("@T.prim_func\n" + "\n".join(lines), extra_vars={

@@ -54,7 +54,13 @@ from .chain import Step, chain_value, np_chain, np_dtype
 from .wgmma_mainloop import (TMA_LOAD, Ring, WgmmaConfig, box_rows, consumer_sync, fragment, load_resident, mainloop, roles,
                              tensor_map)
 
-NORMS = ("layer_norm", "rms_norm")
+#: The row norms a :class:`PostNorm` describes. Softmax (session 24) is a row norm too: its
+#: statistics are the row's max and its sum of exponentials, combined across parts by rescaling
+#: (``S = sum_p S_p exp(max_p - max)``); only the split kernels (:mod:`.split_norm`, and their
+#: one-kernel form, :mod:`.row_exchange`) compute them, so it runs split wherever it runs.
+NORMS = ("layer_norm", "rms_norm", "softmax")
+#: Those the cluster kernel here computes.
+CLUSTER_NORMS = ("layer_norm", "rms_norm")
 #: Consumer warpgroups of the default configurations (a third would leave each of the three under
 #: the 154 registers ptxas needs for a 256-wide wgmma, once the producer warpgroup has its 40).
 #: A given configuration may have up to four narrower ones, as the registers allow: measured
@@ -92,7 +98,8 @@ TMA_STORE = "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group"
 
 @dataclass(frozen=True)
 class PostNorm:
-    """The fused group: ``out = norm(chain(x @ w.T)) * gamma (+ beta)``, cast to ``out_dtype``.
+    """The fused group: ``out = norm(chain(x @ w.T)) * gamma (+ beta)``, cast to ``out_dtype``
+    (softmax: ``out = softmax(chain(x @ w.T))``, no gamma or beta; ``eps`` unused).
 
     ``operands`` are the two added tensors' ``(dtype, is_tile)``: a tile is ``[M, N]`` (the
     residual), else ``[N]`` (the bias). The norm runs in fp32 (the graph's input to it must be
@@ -112,6 +119,12 @@ class PostNorm:
     #: dtype): a pre-norm transformer's residual stream. Only the split kernels write it
     #: (:mod:`.split_norm`, whose GEMM kernel writes the sum anyway).
     sum_out: bool = False
+
+    @property
+    def params(self) -> tuple:
+        """The norm's parameters, in the kernels' order: gamma and beta (LayerNorm), gamma
+        (RMSNorm), none (softmax)."""
+        return {"layer_norm": ("gamma", "beta"), "rms_norm": ("gamma",)}.get(self.norm, ())
 
     @classmethod
     def suite(cls, dtype: str = "float16", norm: str = "layer_norm") -> PostNorm:
@@ -138,7 +151,7 @@ class PostNorm:
         return found
 
 
-def reference(spec: PostNorm, x, w, p0, p1, gamma, beta=None) -> list:
+def reference(spec: PostNorm, x, w, p0, p1, gamma=None, beta=None) -> list:
     """NumPy model of what the kernel computes for ``spec``: fp32 accumulation, each chain step
     rounded to its dtype, the norm in fp32; ``[out]`` (``[out, norm]`` with ``norm_out``). The
     oracle of the offload's CPU tests, which run it in the kernel's place."""
@@ -149,6 +162,9 @@ def reference(spec: PostNorm, x, w, p0, p1, gamma, beta=None) -> list:
     if spec.norm == "layer_norm":
         mean = v.mean(-1, keepdims=True)
         y = (v - mean) / np.sqrt(((v - mean) ** 2).mean(-1, keepdims=True) + spec.eps) * f32(gamma) + f32(beta)
+    elif spec.norm == "softmax":
+        e = np.exp(v - v.max(-1, keepdims=True))
+        y = e / e.sum(-1, keepdims=True)
     else:
         y = v / np.sqrt((v**2).mean(-1, keepdims=True) + spec.eps) * f32(gamma)
     y = y.reshape(*x.shape[:-1], v.shape[1]).astype(np.float32)
@@ -332,6 +348,8 @@ def default_config(n: int, m: int | None = None, k: int | None = None, spec: Pos
 def problems(m, n, k, spec: PostNorm, cfg: WgmmaConfig | None = None, stage: bool | None = None) -> list:
     """Everything that keeps :func:`wgmma_postnorm` from this GEMM shape and chain."""
     found = spec.problems()
+    if spec.norm not in CLUSTER_NORMS:
+        found.append(f"norm {spec.norm!r} (this kernel computes {CLUSTER_NORMS}; the split kernels compute its statistics)")
     if spec.sum_out:
         found.append("the sum before the norm as an output too (the split GEMM + norm kernels write it)")
     if not all(isinstance(d, int) for d in (m, n, k)):

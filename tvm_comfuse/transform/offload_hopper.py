@@ -4,7 +4,7 @@ Runs right after FuseComputeMemory, on its outlined ``gemm_reduce`` functions. O
 a post-norm chain, as ComFuse's suite and imported BERT blocks produce it,
 
     matmul(x, permute_dims(w)) -> casts and two adds (a bias [N], a residual [..., N])
-        -> layer_norm / rms_norm over the last axis, in float32 -> optional cast
+        -> layer_norm / rms_norm / softmax over the last axis, in float32 -> optional cast
         (returned alone, or beside the float32 norm it was cast from)
 
 is read into a :class:`~tvm_comfuse.schedule.wgmma_postnorm.PostNorm` description; if the wgmma
@@ -20,7 +20,8 @@ statistics, a norm kernel follows, two ``call_dps_packed`` in place of the group
 one wave of the GEMM's tiles covers the rows and the norm is the only output, one kernel whose
 CTAs combine their statistics themselves (:mod:`~tvm_comfuse.schedule.row_exchange`). On by
 default for sm_90 targets (``get_pipeline(target, hopper=False)`` turns it off), where it
-measured faster than the rule on every suite shape (H200, session 8).
+measured faster than the rule on every suite shape (H200, session 8). Softmax groups (session
+24) run split wherever the split takes them: the cluster kernel does not compute softmax.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from .fuse_compute_memory import KIND_ATTR
 
 LOG = logging.getLogger("tvm_comfuse")
 EXTERNAL_MODS = "external_mods"
-_NORMS = {"relax.nn.layer_norm": "layer_norm", "relax.nn.rms_norm": "rms_norm"}
+_NORMS = {"relax.nn.layer_norm": "layer_norm", "relax.nn.rms_norm": "rms_norm", "relax.nn.softmax": "softmax"}
 
 
 def _static(shape) -> list | None:
@@ -157,7 +158,7 @@ def match_postnorm(func: relax.Function):
     """``(spec, roles, (M, N, K), out_shape, order)`` for a post-norm function, or None.
 
     ``roles`` are the indices of the function's parameters for the kernel's ``x, w, operand
-    0, operand 1, gamma[, beta]``; ``out_shape`` is ``[*rows, N]`` (rows ``(M,)`` or ``(B, S)``);
+    0, operand 1`` and the norm's parameters (``PostNorm.params``: gamma and beta, gamma, none); ``out_shape`` is ``[*rows, N]`` (rows ``(M,)`` or ``(B, S)``);
     ``order`` names the function's outputs: ``("out",)``, or with the norm's float32 result
     also returned, ``("out", "norm")`` or ``("norm", "out")``, or with the sum it normalises
     (a pre-norm block's residual stream), ``("out", "sum")`` or ``("sum", "out")``."""
@@ -187,8 +188,8 @@ def match_postnorm(func: relax.Function):
     norm = _NORMS[ops.op_name(call)]
     if not ops.reduces_last_axis(call) or (norm == "layer_norm" and not (call.attrs.center and call.attrs.scale)):
         return None
-    gamma, beta = body.param(call.args[1]), body.param(call.args[2]) if norm == "layer_norm" else None
-    if gamma is None or (norm == "layer_norm" and beta is None):
+    gamma, beta = (body.param(call.args[1 + i]) if len(call.args) > 1 + i else None for i in range(2))
+    if (gamma is None) != (norm == "softmax") or (beta is None) != (norm != "layer_norm"):
         return None
     if _sinfo(call.args[0])[1] != "float32":
         return None
@@ -196,14 +197,15 @@ def match_postnorm(func: relax.Function):
     if read is None:
         return None
     found, (steps, operands, roles, mnk) = read
-    (_, g_dtype), b_dtype = _sinfo(gamma), _sinfo(beta)[1] if beta is not None else None
+    dtype = _sinfo(found[1])[1]
+    g_dtype, b_dtype = (_sinfo(p)[1] if p is not None else None for p in (gamma, beta))
     if beta is not None and b_dtype != g_dtype:
         return None
-    roles += [body.params[gamma]] + ([body.params[beta]] if beta is not None else [])
+    roles += [body.params[p] for p in (gamma, beta) if p is not None]
     if "norm" in order and _sinfo(call)[1] != "float32":
         return None
-    spec = PostNorm(_sinfo(found[1])[1], steps, operands, norm, float(call.attrs.epsilon), g_dtype, out_dtype,
-                    norm_out="norm" in order, sum_out="sum" in order)
+    eps = float(call.attrs.epsilon) if norm != "softmax" else PostNorm.eps
+    spec = PostNorm(dtype, steps, operands, norm, eps, g_dtype or dtype, out_dtype, norm_out="norm" in order, sum_out="sum" in order)
     return spec, roles, mnk, out_shape, order
 
 
@@ -268,7 +270,7 @@ def postnorm_kernel(m, n, k, spec, split: bool = False) -> tuple:
     faster there). Groups that also return the sum before
     the norm (a pre-norm block's residual stream) run split too (its GEMM kernel writes that sum
     anyway), and so do chains with other than a bias and a residual (a bias-less projection's
-    residual alone, LLaMA's), which the post-norm kernel does not express. Rows a cluster could
+    residual alone, LLaMA's), and softmax, which the post-norm kernel does not express. Rows a cluster could
     hold but the kernel cannot take otherwise (M not a multiple of 64) stay with the gemm_reduce
     rule's one kernel. ``split``: the split wherever it takes a group the cluster kernel would
     (``hopper_groups`` with ``"split_norm"``)."""
@@ -278,7 +280,8 @@ def postnorm_kernel(m, n, k, spec, split: bool = False) -> tuple:
     if not cluster:
         long_k = isinstance(k, int) and k >= SPLIT_MIN_K
         return ("split", []) if (split or long_k or fills_a_wave(m, n, k, spec)) and not sn.problems(m, n, k, spec) else ("cluster", [])
-    if not isinstance(n, int) or (wp.slices(n) and not spec.sum_out and len(spec.operands) == 2):
+    cluster_group = spec.norm in wp.CLUSTER_NORMS and not spec.sum_out and len(spec.operands) == 2
+    if not isinstance(n, int) or (wp.slices(n) and cluster_group):
         return None, cluster
     found = sn.problems(m, n, k, spec)
     return ("split", []) if not found else (None, cluster + [f"split into GEMM + norm kernels: {'; '.join(found)}"])

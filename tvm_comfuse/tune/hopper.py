@@ -235,11 +235,15 @@ def split_workload(desc: Description) -> tvm.IRModule:
 
     c, c2 = te.reduce_axis((0, cols), "c"), te.reduce_axis((0, cols), "c2")
     rms = spec.stats == "rms_norm"
-    total = te.compute((m, parts), lambda i, p: te.sum(at(i, p * cols + c) * (at(i, p * cols + c) if rms else 1.0), axis=c),
-                       name="total")
-    mean = te.compute((m, parts), lambda i, p: total[i, p] / cols, name="mean")
-    dev = te.compute((m, parts), lambda i, p: te.sum((at(i, p * cols + c2) - mean[i, p]) * (at(i, p * cols + c2) - mean[i, p]),
-                                                     axis=c2), name="dev")
+    if spec.stats == "softmax":  # the part's max and sum of exponentials
+        mean = te.compute((m, parts), lambda i, p: te.max(at(i, p * cols + c), axis=c), name="max")
+        dev = te.compute((m, parts), lambda i, p: te.sum(te.exp(at(i, p * cols + c2) - mean[i, p]), axis=c2), name="exp_sum")
+    else:
+        total = te.compute((m, parts), lambda i, p: te.sum(at(i, p * cols + c) * (at(i, p * cols + c) if rms else 1.0), axis=c),
+                           name="total")
+        mean = te.compute((m, parts), lambda i, p: total[i, p] / cols, name="mean")
+        dev = te.compute((m, parts), lambda i, p: te.sum((at(i, p * cols + c2) - mean[i, p]) * (at(i, p * cols + c2) - mean[i, p]),
+                                                         axis=c2), name="dev")
     stats = te.compute((m, parts, 2), lambda i, p, s: te.if_then_else(s == 0, mean[i, p], te.const(0.0, "float32") if rms else dev[i, p]),
                        name="stats")
     prim = te.create_prim_func([x, w, *ops, y, stats])
