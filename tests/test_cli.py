@@ -62,3 +62,30 @@ def test_results_record_the_gpu_driver_or_none(monkeypatch, tmp_path):
     assert bench.gpu_driver() is None
     monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
     assert bench.gpu_driver() is None
+
+
+def test_bench_compiles_every_case_of_a_run_with_torch_compile():
+    """Every case of a bench run compiles the same function (a new closure, the same code), and
+    TorchDynamo, which caches by code object, ran the ninth on eagerly (its recompile limit):
+    session 24's tenth softmax case was timed as torch.compile but ran eager's kernels. The
+    bench's compile starts from empty caches, so twelve cases compile twelve times (a counting
+    backend here: no compiler needed), where plain ``torch.compile`` stops at eight."""
+    import torch  # pylint: disable=import-outside-toplevel
+
+    from tvm_comfuse import bench  # pylint: disable=import-outside-toplevel
+
+    def count(compile_fn):
+        graphs = []
+
+        def backend(gm, _inputs):
+            graphs.append(gm)
+            return gm.forward
+
+        torch._dynamo.reset()  # pylint: disable=protected-access
+        for i in range(12):
+            fn = compile_fn(lambda x, i=i: x * i + 1, backend=backend, dynamic=False)
+            assert (fn(torch.ones(4)) == i + 1).all()
+        return len(graphs)
+
+    assert count(lambda fn, **kw: bench._torch_compile(torch, fn, **kw)) == 12  # pylint: disable=protected-access
+    assert count(torch.compile) < 12  # (what the bench did before: Dynamo's limit, 8 by default)

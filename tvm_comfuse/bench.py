@@ -60,6 +60,17 @@ class Row:
     error: str | None = None
 
 
+def _torch_compile(torch, fn, **kwargs):
+    """``torch.compile(fn, **kwargs)`` with TorchDynamo's caches emptied first. Why: Dynamo keys
+    its cache by code object, and every case of a run compiles the same function (a new closure,
+    the same code), so from the ninth case on it hit its recompile limit and ran the function
+    eagerly, timed as torch.compile: the tenth case of session 24's softmax run (16384 x 256 ->
+    1024 in fp16 and bf16: 96.1 us, eager's kernels, where a run of five had torch.compile's
+    58.2). Compiles are lazy, so emptying the caches drops no contender of the case being built."""
+    torch._dynamo.reset()  # pylint: disable=protected-access
+    return torch.compile(fn, **kwargs)
+
+
 def _torch_postnorm(torch, x, w, b, r, g, be, norm):
     """``norm(x @ w.T + b + r)``: ``w`` is ``[N, K]``, PyTorch's nn.Linear layout."""
     f = torch.nn.functional
@@ -150,7 +161,7 @@ def _contenders(torch, shape, norm, dtype, args, which, target):
         out["eager"] = (post, post)
     for name, mode in (("inductor", None), ("inductor_max_autotune", "max-autotune-no-cudagraphs")):
         if name in which:
-            compiled = torch.compile(lambda *a: _torch_postnorm(torch, *a, norm), mode=mode, dynamic=False)
+            compiled = _torch_compile(torch, lambda *a: _torch_postnorm(torch, *a, norm), mode=mode, dynamic=False)
             out[name] = (lambda c=compiled: c(*args), lambda c=compiled: c(*args))
     mod = workloads.post_norm(shape.M, shape.K, shape.N, dtype, norm, linear=True)
     for name, comfuse, hopper in (("tvm_dlight", False, None), ("comfuse_mma_sync", True, False), ("comfuse", True, None)):
@@ -289,7 +300,7 @@ def run_attention(seqs, which=CONTENDERS, log=print) -> list:
 
         contenders = {"eager": (eager, eager)}
         if "inductor" in which:
-            compiled = torch.compile(eager, dynamic=False)
+            compiled = _torch_compile(torch, eager, dynamic=False)
             contenders["inductor"] = (compiled, compiled)
         sdpa = lambda qh=qh, kh=kh, vh=vh, s=s: torch.nn.functional.scaled_dot_product_attention(qh, kh, vh).transpose(1, 2).reshape(b * s, h * d)  # noqa: E731
         contenders["sdpa"] = (sdpa, sdpa)
@@ -322,7 +333,7 @@ def run_mlp(widths, which=CONTENDERS, log=print) -> list:
             ref = eager(*[a.float() for a in args])
             contenders = {"eager": (eager, eager)}
             if "inductor" in which:
-                compiled = torch.compile(eager, dynamic=False)
+                compiled = _torch_compile(torch, eager, dynamic=False)
                 contenders["inductor"] = (compiled, compiled)
             names = [c for c in ("eager", "inductor", "tvm_dlight", "comfuse", "comfuse_tuned", "comfuse_hopper_all") if c in which]
             row = lambda c, m=m, n1=n1: Row(f"mlp-{m}x{d}-{n1}", m, d, d, f"mlp{n1}", "float16", c)  # noqa: E731
@@ -362,7 +373,7 @@ def run_model(name: str, batch: int, seq: int, which=CONTENDERS, log=print) -> l
             "eager": (lambda: half(xh), lambda: half(xh)),
         }
         if "inductor" in which:
-            compiled = torch.compile(half, dynamic=False)
+            compiled = _torch_compile(torch, half, dynamic=False)
             contenders["inductor"] = (lambda: compiled(xh), lambda: compiled(xh))
         rows = []
         shape = f"{name}-b{batch}-s{seq}"
