@@ -48,7 +48,7 @@ def test_one_column_row_reductions_are_not_grouped():
 
 def test_hopper_family_is_deterministic_models_post_norm_blocks_and_agrees_on_llvm():
     """The hopper family (``--family hopper``): post-norm blocks as models export them, in both
-    adds' orders, both norms, all three tails, the shapes the wgmma kernel slices (rows a
+    adds' orders, both norms and softmax, all three tails, the shapes the wgmma kernel slices (rows a
     multiple of 64, the resident 16384 x 256 x 768 among them); the small ones agree with vanilla
     TVM on llvm (the GPU run is where the wgmma kernel meets them)."""
     cases = [fuzz.generate_hopper(s) for s in range(200)]
@@ -58,6 +58,8 @@ def test_hopper_family_is_deterministic_models_post_norm_blocks_and_agrees_on_ll
     assert {"bias > residual > norm32:layer_norm > to", "residual > bias > norm32:rms_norm",
             "bias > residual > norm32:layer_norm > keep > to"} <= shapes
     assert any(c.M == 16384 for c in cases) and any(op[0] == "act" for c in cases for op in c.ops)
+    softmax = [c for c in cases if ("norm32", "softmax") in c.ops]  # (session 24: the split kernels take it)
+    assert 10 <= len(softmax) <= 60 and fuzz.check(softmax[0])["ok"]
     small = [c for c in cases[:30] if c.M * (c.batch or 1) * max(c.N, c.K) <= 256 * 1024][:4]
     assert small and all(fuzz.check(c)["ok"] for c in small)
 

@@ -190,8 +190,10 @@ def generate_hopper(seed: int) -> Case:
     or both; rows a multiple of 64 (2-D or batched), K a multiple of 32, N from 64 to 1024 (rows
     sliced over clusters of 1 to 8 CTAs), and sometimes 16384 x 256 x 768, where the kernel keeps
     W resident; one case in ten has rows of 5120 or 8192, which no cluster holds (the split GEMM +
-    norm kernels). One case in eight breaks the pattern (an activation before the norm) so the
-    fallback to the gemm_reduce rule is fuzzed beside it."""
+    norm kernels), and one in six a softmax in float32 in place of the norm (session 24: the
+    split kernels, where N is a multiple of 256; else the rule). One case in eight breaks the
+    pattern (an activation before the norm) so the fallback to the gemm_reduce rule is fuzzed
+    beside it."""
     rng = np.random.default_rng(seed)
     pick = lambda xs: xs[int(rng.integers(len(xs)))]  # noqa: E731
     dtype = pick(("float16", "bfloat16"))
@@ -211,6 +213,8 @@ def generate_hopper(seed: int) -> Case:
     case = dataclasses.replace(case, scale=BIG[dtype] if rng.random() < 0.25 else 1.0, special=pick(("", "", "", "", "nan", "inf")))
     if rng.random() < 0.1:  # rows wider than a cluster holds: the split GEMM + norm kernels (drawn last: earlier seeds keep their cases)
         case = dataclasses.replace(case, M=pick((64, 256, 1024)), K=pick((64, 256)), N=pick((5120, 8192)), batch=None)
+    if rng.random() < 1 / 6:  # softmax in place of the norm (drawn last too)
+        case = dataclasses.replace(case, ops=tuple(("norm32", "softmax") if op[0] == "norm32" else op for op in case.ops))
     return case
 
 
@@ -330,6 +334,8 @@ def build(case: Case) -> tvm.IRModule:
                     y = bb.emit(op.matmul(y, bb.emit(op.permute_dims(vs[f"v{i}"]))))
                 elif kind == "heads":  # [B, M, N] -> [B, heads, M, N / heads], as attention splits them
                     y = bb.emit(op.permute_dims(bb.emit(op.reshape(y, (case.batch, case.M, tok[1], case.N // tok[1]))), [0, 2, 1, 3]))
+                elif kind == "norm32" and tok[1] == "softmax":
+                    y = bb.emit(op.nn.softmax(bb.emit(op.astype(y, "float32")), axis=-1))
                 elif kind == "norm32":
                     f32 = lambda v: bb.emit(op.astype(v, "float32"))  # noqa: E731
                     y, g = f32(y), f32(vs[f"gamma{i}"])
