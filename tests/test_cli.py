@@ -89,3 +89,26 @@ def test_bench_compiles_every_case_of_a_run_with_torch_compile():
 
     assert count(lambda fn, **kw: bench._torch_compile(torch, fn, **kw)) == 12  # pylint: disable=protected-access
     assert count(torch.compile) < 12  # (what the bench did before: Dynamo's limit, 8 by default)
+
+
+def test_bench_results_file_holds_every_row_as_it_is_measured(tmp_path, capsys):
+    """``comfuse bench`` rewrites its results file as each row is measured (a device call cut by
+    its time limit keeps what it measured), errors included; ``--vanilla-logs`` parses (without
+    a GPU the bench exits 2 saying so)."""
+    import json  # pylint: disable=import-outside-toplevel
+
+    from tvm_comfuse import bench  # pylint: disable=import-outside-toplevel
+
+    out, lines = tmp_path / "results.json", []
+    log = bench.Checkpoint(str(out), lines.append)
+
+    def wrong():
+        raise RuntimeError("no GPU here")
+
+    for i, contender in enumerate(("eager", "comfuse")):
+        bench._timed(None, bench.Row("s", 64, 32, 16, "layer_norm", "float16", contender), None, wrong, None, 1.0, log)  # pylint: disable=protected-access
+        saved = json.loads(out.read_text())
+        assert [r["contender"] for r in saved["rows"]] == ["eager", "comfuse"][: i + 1] and "gpu" in saved["environment"]
+    assert saved["rows"][-1]["error"] == "RuntimeError: no GPU here" and len(lines) == 2
+    assert main(["bench", "--shapes", "--vanilla-logs", str(tmp_path / "ms")]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err

@@ -141,17 +141,21 @@ def _vm_callable(torch, ex, args):
     return lambda: f(*tvm_args), lambda: torch.from_dlpack(first(f(*tvm_args)))
 
 
-def _vanilla_tuned_callable(torch, mod, args, target, trials: int = VANILLA_TRIALS):
+def _vanilla_tuned_callable(torch, mod, args, target, trials: int = VANILLA_TRIALS, work_dir: str | None = None):
+    """The vanilla MetaSchedule contender: its tuning logs in ``work_dir`` (kept: the records a
+    plot of its best latency against trials reads), else in a temporary directory."""
     import tempfile  # pylint: disable=import-outside-toplevel
 
     from .runtime import compile_vanilla_tuned  # pylint: disable=import-outside-toplevel
 
-    with tempfile.TemporaryDirectory(prefix="comfuse-bench-ms-") as work_dir:
-        ex = compile_vanilla_tuned(mod, target, trials, work_dir)
+    if work_dir is not None:
+        return _vm_callable(torch, compile_vanilla_tuned(mod, target, trials, work_dir), args)
+    with tempfile.TemporaryDirectory(prefix="comfuse-bench-ms-") as tmp:
+        ex = compile_vanilla_tuned(mod, target, trials, tmp)
     return _vm_callable(torch, ex, args)
 
 
-def _contenders(torch, shape, norm, dtype, args, which, target):
+def _contenders(torch, shape, norm, dtype, args, which, target, vanilla_logs=None):
     x, w = args[0], args[1]
     post = lambda: _torch_postnorm(torch, *args, norm)  # noqa: E731
     out = {}
@@ -170,7 +174,8 @@ def _contenders(torch, shape, norm, dtype, args, which, target):
     if "comfuse_hopper_all" in which:
         out["comfuse_hopper_all"] = lambda m=mod: _tvm_callable(torch, m, args, True, target, hopper_groups=HOPPER_GROUPS)
     if "tvm_metaschedule" in which:
-        out["tvm_metaschedule"] = lambda m=mod: _vanilla_tuned_callable(torch, m, args, target)
+        work_dir = None if vanilla_logs is None else os.path.join(vanilla_logs, f"{shape.name}-{norm}-{dtype}")
+        out["tvm_metaschedule"] = lambda m=mod: _vanilla_tuned_callable(torch, m, args, target, work_dir=work_dir)
     logs = tuned_logs(shape.name)
     if "comfuse_tuned" in which and logs and (norm, dtype) == ("layer_norm", "float16"):  # what the logs were tuned for
         out["comfuse_tuned"] = lambda m=mod: _tvm_callable(torch, m, args, True, target, logs)
@@ -187,8 +192,10 @@ def tuned_logs(workload: str) -> str | None:
     return path if os.path.isfile(os.path.join(path, RECORD_FILE)) else None
 
 
-def run(shapes, norms, dtypes, which=CONTENDERS, log=print) -> list:
-    """Measure every (shape, norm, dtype, contender); return the rows."""
+def run(shapes, norms, dtypes, which=CONTENDERS, log=print, vanilla_logs: str | None = None) -> list:
+    """Measure every (shape, norm, dtype, contender); return the rows. ``vanilla_logs``: where
+    the vanilla MetaSchedule contender keeps its tuning logs, one directory a case
+    (``<shape>-<norm>-<dtype>``; None: not kept)."""
     import torch  # pylint: disable=import-outside-toplevel
     import tvm  # pylint: disable=import-outside-toplevel
 
@@ -208,7 +215,7 @@ def run(shapes, norms, dtypes, which=CONTENDERS, log=print) -> list:
                     *(torch.randn(N, device="cuda", dtype=tdt) for _ in range(2)),
                 ]
                 ref = _torch_postnorm(torch, *[a.float() for a in args], norm)
-                for name, entry in _contenders(torch, shape, norm, dtype, args, which, target).items():
+                for name, entry in _contenders(torch, shape, norm, dtype, args, which, target, vanilla_logs).items():
                     row = Row(shape.name, M, K, N, norm, dtype, name)
                     if callable(entry):  # a TVM build: compile now, errors recorded like the others'
                         try:
@@ -242,7 +249,26 @@ def _timed(torch, row, fn, fn_out, ref, tol, log):
     except Exception as err_:  # pylint: disable=broad-except
         row.error = f"{type(err_).__name__}: {str(err_).splitlines()[0][:200] if str(err_) else ''}"
     log(json.dumps(asdict(row)))
+    if isinstance(log, Checkpoint):
+        log.record(row)
     return row
+
+
+class Checkpoint:
+    """A log for the bench's run functions that prints as ``print`` does and, as each row is
+    measured, rewrites the results file ``path`` with every row so far: a run the device call's
+    time limit cuts short keeps what it measured (session 24 lost a shape's rows that way, its
+    vanilla MetaSchedule contender tuning when the call ended)."""
+
+    def __init__(self, path: str, log=print):
+        self.path, self.log, self.rows = path, log, []
+
+    def __call__(self, *args, **kwargs):
+        self.log(*args, **kwargs)
+
+    def record(self, row: Row) -> None:
+        self.rows.append(row)
+        save(self.rows, self.path)
 
 
 def _raise(err):

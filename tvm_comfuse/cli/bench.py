@@ -14,6 +14,7 @@ EXAMPLES = """examples:
   comfuse bench --norms layer_norm rms_norm softmax --dtypes float16 bfloat16
   comfuse bench --shapes bert-base-attnout --contenders cublas_gemm comfuse
   comfuse bench --contenders tvm_dlight tvm_metaschedule comfuse    vanilla MetaSchedule, 64 trials per task
+  comfuse bench --shapes wide-short-k --contenders tvm_metaschedule comfuse --vanilla-logs ms/   keeping its tuning logs
   comfuse bench --contenders cublas_gemm inductor comfuse comfuse_mma_sync   the portable mma.sync rule too
   comfuse bench --shapes --models bert-base bert-large --batch 32 --seq 128   whole encoders only
   comfuse bench --shapes --attention 128 256 512 1024   multi-head attention, batch x heads 256, head dim 64
@@ -44,7 +45,9 @@ def add_parser(sub) -> None:
         help=f"{' and '.join(_SLOW)} are off by default: they compile (tune, for vanilla MetaSchedule: "
              f"{bench.VANILLA_TRIALS} trials per task) for minutes per shape",
     )
-    p.add_argument("--out", help="results JSON (default notebooks/results/bench-<gpu>-<date>.json)")
+    p.add_argument("--out", help="results JSON (default notebooks/results/bench-<gpu>-<date>.json), rewritten as each row is measured")
+    p.add_argument("--vanilla-logs", metavar="DIR",
+                   help="keep the tvm_metaschedule contender's tuning logs in DIR/<shape>-<norm>-<dtype>/ (default: not kept)")
 
 
 def run(args) -> int:
@@ -53,17 +56,18 @@ def run(args) -> int:
     if not tvm.cuda(0).exist:
         raise ComFuseError("comfuse bench needs a CUDA GPU and none was found; run it on the GPU machine.")
     shapes = [s for s in workloads.SUITE if s.name in args.shapes]
-    rows = bench.run(shapes, args.norms, args.dtypes, tuple(args.contenders))
-    for model in args.models:
-        rows += bench.run_model(model, args.batch, args.seq, tuple(args.contenders))
-    if args.attention:
-        rows += bench.run_attention(args.attention, tuple(args.contenders))
-    if args.mlp:
-        rows += bench.run_mlp(args.mlp, tuple(args.contenders))
-    print(bench.table(rows))
     out = args.out or os.path.join(
         "notebooks", "results", f"bench-{tvm.cuda(0).device_name.replace(' ', '_')}-{datetime.date.today()}.json"
     )
+    log = bench.Checkpoint(out)  # every row lands in `out` as it is measured
+    rows = bench.run(shapes, args.norms, args.dtypes, tuple(args.contenders), log, args.vanilla_logs)
+    for model in args.models:
+        rows += bench.run_model(model, args.batch, args.seq, tuple(args.contenders), log)
+    if args.attention:
+        rows += bench.run_attention(args.attention, tuple(args.contenders), log)
+    if args.mlp:
+        rows += bench.run_mlp(args.mlp, tuple(args.contenders), log)
+    print(bench.table(rows))
     bench.save(rows, out)
     print(f"results: {out}")
     return 0 if not any(r.error for r in rows if r.contender == "comfuse") else 1
