@@ -105,10 +105,10 @@ _HALF = ("float16", "bfloat16")
 _HOPPER_NOTES = {"cluster": "runs as the Hopper wgmma post-norm kernel",
                  "split": "runs as the Hopper wgmma GEMM with its row statistics in the epilogue, then a norm kernel "
                           "(K of 4096 or more, where it measured faster, or where the post-norm kernel cannot: rows wider "
-                          "than a cluster holds, the sum returned too, or a chain without a bias)",
+                          "than a cluster holds, the sum returned too, a chain without a bias, or softmax)",
                  "exchange": "runs as one Hopper wgmma kernel: the GEMM with its row statistics in the epilogue, combined "
-                             "across each row tile's CTAs (one wave of tiles covers the rows) before the norm is stored (where "
-                             "the split runs: K of 4096 or more, rows wider than a cluster holds, or a chain without a bias)"}
+                             "across each row tile's CTAs before the norm is stored (one wave of tiles covers the rows, and "
+                             "fills the SMs or the post-norm kernel cannot take the group)"}
 
 
 def _canonical(func: relax.Function) -> relax.Function:
