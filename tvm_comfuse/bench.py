@@ -144,14 +144,14 @@ def _vm_callable(torch, ex, args):
 def _vanilla_tuned_callable(torch, mod, args, target, trials: int = VANILLA_TRIALS, work_dir: str | None = None):
     """The vanilla MetaSchedule contender: its tuning logs in ``work_dir`` (kept: the records a
     plot of its best latency against trials reads), else in a temporary directory."""
+    import contextlib  # pylint: disable=import-outside-toplevel
     import tempfile  # pylint: disable=import-outside-toplevel
 
     from .runtime import compile_vanilla_tuned  # pylint: disable=import-outside-toplevel
 
-    if work_dir is not None:
-        return _vm_callable(torch, compile_vanilla_tuned(mod, target, trials, work_dir), args)
-    with tempfile.TemporaryDirectory(prefix="comfuse-bench-ms-") as tmp:
-        ex = compile_vanilla_tuned(mod, target, trials, tmp)
+    where = contextlib.nullcontext(work_dir) if work_dir is not None else tempfile.TemporaryDirectory(prefix="comfuse-bench-ms-")
+    with where as logs:
+        ex = compile_vanilla_tuned(mod, target, trials, logs)
     return _vm_callable(torch, ex, args)
 
 

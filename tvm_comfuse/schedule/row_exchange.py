@@ -135,9 +135,9 @@ def normalize(spec: PostNorm, cfg: WgmmaConfig, m: int, n: int, staged_at):
         bs = T.alloc_local([acc_n // 2], spec.params_dtype)
         for q in T.unroll(acc_n // 4):
             for j in T.vectorized(2):
-                if not softmax:
+                if "gamma" in spec.params:
                     gs[2 * q + j] = gamma[col0 + fragment(tw, 4 * q + j)[1]]
-                if not rms and not softmax:
+                if "beta" in spec.params:
                     bs[2 * q + j] = beta[col0 + fragment(tw, 4 * q + j)[1]]
         T.ptx["bar.sync"](CONSUMER_BARRIER, 128 * cfg.consumers)  # every warpgroup's statistics are written
         if wg == 0:
