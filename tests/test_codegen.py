@@ -738,8 +738,8 @@ def test_wgmma_postnorm_refuses_rows_it_cannot_hold():
 
     with pytest.raises(cf.ComFuseError, match="cannot slice N = 6400"):
         wp.wgmma_postnorm(128, 6400, 256)
-    with pytest.raises(cf.ComFuseError, match="softmax"):
-        wp.wgmma_postnorm(128, 256, 256, wp.PostNorm(norm="softmax"))
+    with pytest.raises(cf.ComFuseError, match="group_norm"):
+        wp.wgmma_postnorm(128, 256, 256, wp.PostNorm(norm="group_norm"))
 
 
 def test_wgmma_b2b_keeps_the_intermediate_in_registers():

@@ -355,11 +355,18 @@ def test_gpu_wgmma_mainloop_matches_torch(M, N, K, dtype, cfg):
     (8192, 256, 1024, "float16", "layer_norm", (64, 64, 4, 64, 1, 1, True, 1, 0, True), None),
     # two CTAs an SM with a producer warp (session 12: correct, slower)
     (4096, 1024, 256, "float16", "layer_norm", (64, 256, 3, 32, 2, 1, False, 2, 1), None),
+    # softmax (session 25): ping-pong groups on a resident W (the default at 16384 rows), uneven
+    # blocks a cluster in bf16; a cluster of streaming CTAs, staged and not; one CTA a row
+    (16384, 1024, 256, "float16", "softmax", None, None),
+    (15936, 768, 256, "bfloat16", "softmax", (64, 192, 4, 64, 1, 1, True, 1, 0, True), None),
+    (4096, 768, 768, "float16", "softmax", (64, 384, 3, 64, 2), None), (1000 // 64 * 64, 1024, 512, "bfloat16", "softmax", None, False),
+    (256, 512, 64, "float16", "softmax", (128, 128, 2, 64, 1), None),
 ])
 def test_gpu_wgmma_postnorm_matches_torch(M, N, K, dtype, norm, cfg, stage):
     """The fused Hopper post-norm (warp-specialised wgmma mainloop + register row epilogue, 64 or
     128 rows a CTA, rows sliced over a cluster or whole in one CTA, 64- or 128-byte swizzle,
-    residual and output through shared memory by TMA or not) against PyTorch in fp32."""
+    residual and output through shared memory by TMA or not) against PyTorch in fp32 (softmax's
+    probabilities: to 1% (fp16) or 5% (bf16) of the row's largest, as the pipeline's test)."""
     import tvm  # pylint: disable=import-outside-toplevel
 
     from tvm_comfuse.schedule import wgmma_mainloop as wm, wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
@@ -368,10 +375,14 @@ def test_gpu_wgmma_postnorm_matches_torch(M, N, K, dtype, norm, cfg, stage):
     x, w, b, r, g, be = _inputs(M, K, N, dtype, linear=True)
     out = torch.full((M, N), float("nan"), device="cuda", dtype=x.dtype)
     kernel = wm.build(wp.wgmma_postnorm(M, N, K, wp.PostNorm.suite(dtype, norm), cfg and wm.WgmmaConfig(*cfg), stage=stage))["main"]
-    params = (x, w, b, r, g, be) if norm == "layer_norm" else (x, w, b, r, g)  # RMSNorm has no beta
-    kernel(*[tvm.runtime.from_dlpack(t) for t in (*params, out)])
+    params = {"layer_norm": (g, be), "rms_norm": (g,), "softmax": ()}[norm]  # RMSNorm has no beta, softmax neither gamma
+    kernel(*[tvm.runtime.from_dlpack(t) for t in (x, w, b, r, *params, out)])
     y = x.float() @ w.float().T + b.float() + r.float()
     f = torch.nn.functional
+    if norm == "softmax":
+        ref = torch.softmax(y, -1)
+        assert ((out.float() - ref).abs().amax(-1) <= {"float16": 1e-2, "bfloat16": 5e-2}[dtype] * ref.amax(-1)).all().item()
+        return
     ref = f.layer_norm(y, (N,), g.float(), be.float()) if norm == "layer_norm" else f.rms_norm(y, (N,), g.float(), 1e-5)
     assert (out.float() - ref).abs().max().item() <= TOL[dtype]
 
@@ -662,8 +673,10 @@ def test_gpu_wgmma_attention_matches_torch(b, h, s, d, dtype, scale_op, masked):
     (8192, 256, 768, "bfloat16", "layer_norm", 2),  # 16384 rows: the resident W's ping-pong groups by default
     (300, 512, 8192, "float16", "rms_norm", 2),  # rows no cluster holds: the split GEMM + norm kernels
     (2048, 4096, 1024, "float16", "layer_norm", 2),  # K >= SPLIT_MIN_K: split by default (session 18)
-    # softmax (session 24): split wherever it runs. One wave: one kernel (ragged M too); more: GEMM + norm kernels
+    # softmax (session 24): split where LayerNorm runs split. One wave: one kernel (ragged M too); more: GEMM + norm
+    # kernels; since session 25 the cluster kernel where it would take LayerNorm (16384 rows: a resident W, ping-pong)
     (4096, 768, 768, "float16", "softmax", None), (1000, 256, 1024, "bfloat16", "softmax", None),
+    (8192, 256, 1024, "float16", "softmax", 2),
     (8192, 1024, 4096, "float16", "softmax", None), (300, 512, 8192, "bfloat16", "softmax", 2),
 ])
 def test_gpu_hopper_pipeline_matches_pytorch(M, K, N, dtype, norm, batch):

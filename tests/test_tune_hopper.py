@@ -63,6 +63,21 @@ def test_sm90_tasks_are_the_wgmma_kernel_s_and_stable():
     assert rule.kind == "gemm_reduce"
 
 
+def test_a_softmax_on_the_cluster_kernel_is_its_task():
+    """Softmax runs on the cluster kernel where LayerNorm does (session 25: 16384 x 256 -> 1024,
+    a resident W): a wgmma_postnorm task like LayerNorm's, with the same space (the norm changes
+    no configuration's resources but the staged gamma and beta it has none of), whose kernels
+    take exactly the workload's arguments (no gamma, no beta)."""
+    (task,) = extract_tasks(workloads.post_norm(16384, 256, 1024, "float16", "softmax", linear=True), tvm.target.Target(H100))
+    desc = hopper.description_of(task.mod)
+    assert task.kind == hopper.KIND and desc.spec.norm == "softmax" and desc.spec.params == ()
+    space = desc.configs()
+    assert space == configs(16384, 1024, 256, wp.PostNorm.suite()) and space[0].resident and space[0].pingpong
+    for cfg in (space[0], space[-1]):
+        kernel = desc.kernel(cfg)
+        assert [(i.shape, i.dtype) for i in ArgInfo.from_prim_func(kernel)] == [(i.shape, i.dtype) for i in ArgInfo.from_prim_func(task.mod["main"])]
+
+
 def test_candidates_are_the_space_and_build_for_sm90a():
     """One design space per configuration, each naming it in its trace; a candidate builds (in
     the builder's worker pool) into a module whose entry takes the workload's arguments."""
@@ -402,7 +417,7 @@ def _wide(norm="rms_norm"):
 
 @pytest.mark.parametrize("norm", ["rms_norm", "softmax"])
 def test_split_post_norms_are_tasks_of_their_gemm(norm):
-    """A post-norm too wide for a cluster runs split (softmax: wherever it runs on sm_90): its
+    """A post-norm too wide for a cluster runs split (softmax as LayerNorm): its
     task is the GEMM kernel's (``wgmma_split_gemm``), its workload what that kernel computes (the
     sum and its row statistics, written in TE: on llvm it matches the kernel's NumPy model), its space every
     GEMM + elementwise configuration with the default's warpgroup width (so every candidate

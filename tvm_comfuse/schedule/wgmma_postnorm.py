@@ -54,13 +54,12 @@ from .chain import Step, chain_value, np_chain, np_dtype
 from .wgmma_mainloop import (TMA_LOAD, Ring, WgmmaConfig, box_rows, consumer_sync, fragment, load_resident, mainloop, roles,
                              tensor_map)
 
-#: The row norms a :class:`PostNorm` describes. Softmax (session 24) is a row norm too: its
-#: statistics are the row's max and its sum of exponentials, combined across parts by rescaling
-#: (``S = sum_p S_p exp(max_p - max)``); only the split kernels (:mod:`.split_norm`, and their
-#: one-kernel form, :mod:`.row_exchange`) compute them, so it runs split wherever it runs.
+#: The row norms a :class:`PostNorm` describes. Softmax is a row norm too: its statistics are
+#: the row's max and its sum of exponentials, combined across parts by rescaling (``S = sum_p
+#: S_p exp(max_p - max)``, the online softmax's rule): in the split kernels since session 24
+#: (:mod:`.split_norm`, :mod:`.row_exchange`), in this one since session 25 (one round, as
+#: LayerNorm's mean and centred squares).
 NORMS = ("layer_norm", "rms_norm", "softmax")
-#: Those the cluster kernel here computes.
-CLUSTER_NORMS = ("layer_norm", "rms_norm")
 #: Consumer warpgroups of the default configurations (a third would leave each of the three under
 #: the 154 registers ptxas needs for a 256-wide wgmma, once the producer warpgroup has its 40).
 #: A given configuration may have up to four narrower ones, as the registers allow: measured
@@ -224,7 +223,7 @@ def params_bytes(spec: PostNorm, cfg: WgmmaConfig) -> int:
     """Shared memory of the staged bias, gamma and beta (:func:`stages_params`): the slice's
     columns of each added vector in its dtype, and of gamma (and beta) widened to fp32."""
     vectors = sum(2 if d in ("float16", "bfloat16") else 4 for d, tile in spec.operands if not tile)
-    return cfg.bn * (vectors + 4 * (1 if spec.norm == "rms_norm" else 2))
+    return cfg.bn * (vectors + 4 * len(spec.params))
 
 
 def stages_params(spec: PostNorm, cfg: WgmmaConfig, n: int, k: int, stg: Staging) -> bool:
@@ -348,8 +347,6 @@ def default_config(n: int, m: int | None = None, k: int | None = None, spec: Pos
 def problems(m, n, k, spec: PostNorm, cfg: WgmmaConfig | None = None, stage: bool | None = None) -> list:
     """Everything that keeps :func:`wgmma_postnorm` from this GEMM shape and chain."""
     found = spec.problems()
-    if spec.norm not in CLUSTER_NORMS:
-        found.append(f"norm {spec.norm!r} (this kernel computes {CLUSTER_NORMS}; the split kernels compute its statistics)")
     if spec.sum_out:
         found.append("the sum before the norm as an output too (the split GEMM + norm kernels write it)")
     if not all(isinstance(d, int) for d in (m, n, k)):
@@ -405,7 +402,8 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
     if found:
         raise ComFuseError("wgmma post-norm cannot take " + "; ".join(found))
     cfg = cfg or default_config(n, m, k, spec, resident=False if stage is False else None)
-    acc_n, wg_cols, parts, rms = cfg.wg_cols // 2, cfg.wg_cols, 4 * cfg.wg_n, spec.norm == "rms_norm"
+    acc_n, wg_cols, parts = cfg.wg_cols // 2, cfg.wg_cols, 4 * cfg.wg_n
+    rms, softmax = spec.norm == "rms_norm", spec.norm == "softmax"
     bm, wg_m, wg_n, slice_n, ranks = cfg.bm, cfg.bm // 64, cfg.wg_n, cfg.bn, n // cfg.bn
     stg, boxes = staging(spec, cfg, stage), cfg.bn // BOX_COLS
     params = params is not False and stages_params(spec, cfg, n, k, stg)
@@ -466,8 +464,8 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
         v, cur = chain_value(v, spec.steps, [d for d, _ in spec.operands], read)
         return v if cur == "float32" else T.cast(v, "float32")
 
-    def square(v):  # what the first pass sums: the value (LayerNorm's mean), or its square (RMSNorm's)
-        return v * v if rms else v
+    def first(total, v):  # the first pass: a sum of the values (LayerNorm's mean), of their squares (RMSNorm's), or their max
+        return T.max(total, v) if softmax else total + (v * v if rms else v)
 
     def shift(y, beta, col, lcol):  # LayerNorm's beta; RMSNorm has none
         return y if beta is None else y + (beta[1, lcol] if params else T.cast(beta[col], "float32"))
@@ -526,15 +524,24 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
         (``cnt`` 1), or (``cnt`` 2: LayerNorm's one round) the mean and the centred sum of
         squares of the union of ``count`` equal parts of ``per`` values each, from each part's
         mean and centred sum of squares (Chan et al.: ``M2 = sum M2_i + per * sum (mean_i -
-        mean)^2``, no cancellation)."""
-        stat[h, p] = T.float32(0)
-        for i in T.unroll(count):
-            stat[h, p] = stat[h, p] + got[p, i]
-        if cnt == 2:
-            stat[h, p] = stat[h, p] * T.float32(1.0 / count)
+        mean)^2``, no cancellation); softmax's (``cnt`` 2) the row's max and its sum of
+        exponentials, each part's sum about its own max rescaled (``S = sum S_i exp(max_i - max)``)."""
+        if softmax:
+            stat[h, p] = got[p, 0]
+            for i in T.unroll(count):
+                stat[h, p] = T.max(stat[h, p], got[p, i])
             stat[h, p + 1] = T.float32(0)
             for i in T.unroll(count):
-                stat[h, p + 1] = stat[h, p + 1] + got[p + 1, i] + T.float32(per) * (got[p, i] - stat[h, p]) * (got[p, i] - stat[h, p])
+                stat[h, p + 1] = stat[h, p + 1] + got[p + 1, i] * T.exp(got[p, i] - stat[h, p])
+        else:
+            stat[h, p] = T.float32(0)
+            for i in T.unroll(count):
+                stat[h, p] = stat[h, p] + got[p, i]
+            if cnt == 2:
+                stat[h, p] = stat[h, p] * T.float32(1.0 / count)
+                stat[h, p + 1] = T.float32(0)
+                for i in T.unroll(count):
+                    stat[h, p + 1] = stat[h, p + 1] + got[p + 1, i] + T.float32(per) * (got[p, i] - stat[h, p]) * (got[p, i] - stat[h, p])
 
     @T.macro
     def push_rows(rowx, xbar, peer, got, tx, stat, p, cnt, rk, slot, phase):
@@ -618,7 +625,7 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
         lr = T.meta_var(first_row(tx))  # and its first row in the CTA's tile
         c0 = T.meta_var(rk * slice_n + l0)
         for h in T.unroll(2):
-            s[0, h] = T.float32(0)
+            s[0, h] = T.min_value("float32") if softmax else T.float32(0)
         if len(stg.tiles) > 0:
             T.cuda.mbarrier_wait(rfull.ptr_to([slot]), rphase)
         if params:
@@ -629,10 +636,19 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
                 row, col = T.meta_var(fragment(tx, 2 * q + j))
                 acc[2 * q + j] = chain(acc[2 * q + j], P0, P1, R, bx * bm + lr + row, c0 + col, lr + row, l0 + col, slot)
         for i in T.unroll(acc_n):
-            s[0, i // 2 % 2] = s[0, i // 2 % 2] + square(acc[i])
-        # LayerNorm in one round: the thread's mean and the centred squares of its values, combined.
+            s[0, i // 2 % 2] = first(s[0, i // 2 % 2], acc[i])
+        # LayerNorm in one round: the thread's mean and the centred squares of its values, combined;
+        # softmax likewise: its max and its values' exponentials about it, summed (kept: ``exp(v -
+        # max)`` is then one multiply each, by ``exp(thread max - row max) / row sum``).
         # (A CTA looping over row blocks rewrites ``part`` only after stage_out's consumer barrier.)
-        if one_round and not rms:
+        if softmax:
+            for h in T.unroll(2):
+                s[1, h] = T.float32(0)
+            for i in T.unroll(acc_n):
+                acc[i] = T.exp(acc[i] - s[0, i // 2 % 2])
+                s[1, i // 2 % 2] = s[1, i // 2 % 2] + acc[i]
+            row_total(part, rowpart, xbar, peer, got, tx, grp, s, stat, 0, 2, rk, xslot, xphase)
+        elif one_round and not rms:
             for h in T.unroll(2):
                 s[0, h] = s[0, h] * T.float32(4.0 / wg_cols)
                 s[1, h] = T.float32(0)
@@ -650,7 +666,9 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
                     s[1, i // 2 % 2] = s[1, i // 2 % 2] + (acc[i] - stat[i // 2 % 2, 0]) * (acc[i] - stat[i // 2 % 2, 0])
                 row_total(part, rowpart, xbar, peer, got, tx, grp, s, stat, 1, 1, rk, xslot, xphase)
         for h in T.unroll(2):
-            if rms:
+            if softmax:
+                stat[h, 1] = T.exp(s[0, h] - stat[h, 0]) / stat[h, 1]
+            elif rms:
                 stat[h, 1] = T.rsqrt(stat[h, 0] + T.float32(spec.eps))
                 stat[h, 0] = T.float32(0)
             else:
@@ -658,8 +676,11 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
         for q in T.unroll(acc_n // 2):
             for j in T.vectorized(2):
                 row, col = T.meta_var(fragment(tx, 2 * q + j))
-                y = T.meta_var((acc[2 * q + j] - stat[q % 2, 0]) * stat[q % 2, 1] * scale(gamma, c0 + col, l0 + col))
-                store(out, out2, R, bx * bm + lr + row, c0 + col, lr + row, l0 + col, shift(y, beta, c0 + col, l0 + col), slot)
+                if softmax:
+                    store(out, out2, R, bx * bm + lr + row, c0 + col, lr + row, l0 + col, acc[2 * q + j] * stat[q % 2, 1], slot)
+                else:
+                    y = T.meta_var((acc[2 * q + j] - stat[q % 2, 0]) * stat[q % 2, 1] * scale(gamma, c0 + col, l0 + col))
+                    store(out, out2, R, bx * bm + lr + row, c0 + col, lr + row, l0 + col, shift(y, beta, c0 + col, l0 + col), slot)
         if stg.store:
             stage_out(out_map, R, remp, tx, grp, bx, rk, slot)
         if ranks > 1 and not res:
@@ -674,7 +695,8 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
         if tw >= 64 and tw < 96:
             for i in T.serial((slice_n + 31) // 32):
                 if i * 32 + tw - 64 < slice_n:
-                    Eg[0, i * 32 + tw - 64] = T.cast(gamma[rk * slice_n + i * 32 + tw - 64], "float32")
+                    if gamma is not None:
+                        Eg[0, i * 32 + tw - 64] = T.cast(gamma[rk * slice_n + i * 32 + tw - 64], "float32")
                     if beta is not None:
                         Eg[1, i * 32 + tw - 64] = T.cast(beta[rk * slice_n + i * 32 + tw - 64], "float32")
                     if 0 in vec_ops:
@@ -711,7 +733,10 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
         pfull = T.alloc_shared([1], "uint64", scope="shared", align=8)  # the staged bias, gamma and beta
         # what the epilogue reads the bias, gamma and beta from: their staged copies, or global memory
         if params:
-            Eg = T.alloc_shared([2 if beta is not None else 1, slice_n], "float32")
+            if gamma is not None:
+                Eg = T.alloc_shared([2 if beta is not None else 1, slice_n], "float32")
+            else:
+                Eg = T.meta_var(None)
             Eb = T.meta_var(Eg if beta is not None else None)
             E0 = T.alloc_shared([slice_n], spec.operands[0][0]) if 0 in vec_ops else T.meta_var(P0)
             E1 = T.alloc_shared([slice_n], spec.operands[1][0]) if 1 in vec_ops else T.meta_var(P1)
@@ -801,7 +826,7 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
     # generated, the body is the macro above
     signature = [("x", (*lead, k), spec.dtype, (m, k)), ("w", (n, k), spec.dtype, None)]
     signature += [(f"p{j}", shape[j], d, shape2[j]) for j, (d, _) in enumerate(spec.operands)]
-    signature += [("gamma", (n,), spec.params_dtype, None)] + ([("beta", (n,), spec.params_dtype, None)] if not rms else [])
+    signature += [(p, (n,), spec.params_dtype, None) for p in spec.params]
     signature += [("out", (*lead, n), spec.out_dtype, (m, n))] + ([("norm", (*lead, n), "float32", (m, n))] if spec.norm_out else [])
     lines = [f"def {spec.norm}_postnorm({', '.join(f'{p}_h: T.handle' for p, *_ in signature)}):"]
     lines += [f"    {p}_p = T.match_buffer({p}_h, {shp}, {dt!r}, align=16)" for p, shp, dt, _ in signature]
@@ -812,7 +837,7 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
     lines += [f"    {p} = T.decl_buffer({view}, {dt!r}, data={p}_p.data)" if view else f"    {p} = {p}_p" for p, _, dt, view in signature[2:]]
     names = [p for p, *_ in signature]
     tiles = [f"p{j}_map" for j in stg.tiles] + ["None"] * (2 - len(stg.tiles))
-    lines += [f"    body(x_map, w_map, {', '.join(tiles)}, {'out_map' if stg.store else 'None'}, p0, p1, gamma, "
-              f"{'beta' if 'beta' in names else 'None'}, out, {'norm' if 'norm' in names else 'None'})"]
+    lines += [f"    body(x_map, w_map, {', '.join(tiles)}, {'out_map' if stg.store else 'None'}, p0, p1, "
+              f"{', '.join(p if p in names else 'None' for p in ('gamma', 'beta', 'out'))}, {'norm' if 'norm' in names else 'None'})"]
     return tvm.script.from_source("@T.prim_func\n" + "\n".join(lines),
                                   extra_vars={"T": T, "body": body, **{f"encode_{p}": enc for p, enc in maps.items()}})

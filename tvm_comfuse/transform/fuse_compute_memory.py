@@ -105,7 +105,7 @@ _HALF = ("float16", "bfloat16")
 _HOPPER_NOTES = {"cluster": "runs as the Hopper wgmma post-norm kernel",
                  "split": "runs as the Hopper wgmma GEMM with its row statistics in the epilogue, then a norm kernel "
                           "(K of 4096 or more, where it measured faster, or where the post-norm kernel cannot: rows wider "
-                          "than a cluster holds, the sum returned too, a chain without a bias, or softmax)",
+                          "than a cluster holds, the sum returned too, a chain without a bias)",
                  "exchange": "runs as one Hopper wgmma kernel: the GEMM with its row statistics in the epilogue, combined "
                              "across each row tile's CTAs before the norm is stored (one wave of tiles covers the rows, and "
                              "fills the SMs or the post-norm kernel cannot take the group)"}

@@ -20,8 +20,8 @@ statistics, a norm kernel follows, two ``call_dps_packed`` in place of the group
 one wave of the GEMM's tiles covers the rows and the norm is the only output, one kernel whose
 CTAs combine their statistics themselves (:mod:`~tvm_comfuse.schedule.row_exchange`). On by
 default for sm_90 targets (``get_pipeline(target, hopper=False)`` turns it off), where it
-measured faster than the rule on every suite shape (H200, session 8). Softmax groups (session
-24) run split wherever the split takes them: the cluster kernel does not compute softmax.
+measured faster than the rule on every suite shape (H200, session 8). Softmax groups run on the
+same kernels as LayerNorm's (split only, in session 24; the cluster kernel too since session 25).
 """
 
 from __future__ import annotations
@@ -270,7 +270,7 @@ def postnorm_kernel(m, n, k, spec, split: bool = False) -> tuple:
     faster there). Groups that also return the sum before
     the norm (a pre-norm block's residual stream) run split too (its GEMM kernel writes that sum
     anyway), and so do chains with other than a bias and a residual (a bias-less projection's
-    residual alone, LLaMA's), and softmax, which the post-norm kernel does not express. Rows a cluster could
+    residual alone, LLaMA's), which the post-norm kernel does not express. Rows a cluster could
     hold but the kernel cannot take otherwise (M not a multiple of 64) stay with the gemm_reduce
     rule's one kernel. ``split``: the split wherever it takes a group the cluster kernel would
     (``hopper_groups`` with ``"split_norm"``)."""
@@ -280,7 +280,7 @@ def postnorm_kernel(m, n, k, spec, split: bool = False) -> tuple:
     if not cluster:
         long_k = isinstance(k, int) and k >= SPLIT_MIN_K
         return ("split", []) if (split or long_k or fills_a_wave(m, n, k, spec)) and not sn.problems(m, n, k, spec) else ("cluster", [])
-    cluster_group = spec.norm in wp.CLUSTER_NORMS and not spec.sum_out and len(spec.operands) == 2
+    cluster_group = not spec.sum_out and len(spec.operands) == 2
     if not isinstance(n, int) or (wp.slices(n) and cluster_group):
         return None, cluster
     found = sn.problems(m, n, k, spec)
