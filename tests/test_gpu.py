@@ -361,6 +361,12 @@ def test_gpu_wgmma_mainloop_matches_torch(M, N, K, dtype, cfg):
     (15936, 768, 256, "bfloat16", "softmax", (64, 192, 4, 64, 1, 1, True, 1, 0, True), None),
     (4096, 768, 768, "float16", "softmax", (64, 384, 3, 64, 2), None), (1000 // 64 * 64, 1024, 512, "bfloat16", "softmax", None, False),
     (256, 512, 64, "float16", "softmax", (128, 128, 2, 64, 1), None),
+    # three and four groups taking turns (session 25) in eight-CTA clusters: uneven blocks a cluster
+    # (249 over 15: the groups' counts differ), bf16 RMSNorm, softmax; three at 192 columns
+    (15936, 1024, 256, "float16", "layer_norm", (64, 128, 6, 64, 1, 1, True, 1, 0, True, 3), None),
+    (16384, 1024, 256, "bfloat16", "rms_norm", (64, 128, 4, 64, 1, 1, True, 1, 0, True, 4), None),
+    (16000, 1024, 256, "float16", "softmax", (64, 128, 6, 64, 1, 1, True, 1, 0, True, 3), None),
+    (16384, 768, 256, "float16", "layer_norm", (64, 192, 5, 64, 1, 1, True, 1, 0, True, 3), None),
 ])
 def test_gpu_wgmma_postnorm_matches_torch(M, N, K, dtype, norm, cfg, stage):
     """The fused Hopper post-norm (warp-specialised wgmma mainloop + register row epilogue, 64 or

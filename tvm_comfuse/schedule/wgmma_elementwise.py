@@ -168,6 +168,8 @@ def problems(m: int, n: int, k: int, spec: Elementwise, cfg: WgmmaConfig | None 
         found.append("a resident B (the post-norm kernel's, for short K: here B streams through the ring)")
     if cfg.pingpong and (cfg.bm != 64 or cfg.wg_n != 1):
         found.append(f"ping-pong with {cfg.bm} x {cfg.bn} tiles of {cfg.wg_n} column warpgroups (one warpgroup a tile: bm = 64, wg_n = 1)")
+    if cfg.turns != 2:
+        found.append(f"turns = {cfg.turns} (this kernel's ping-pong has two groups; more take turns on the post-norm kernel's resident W)")
     if cfg.stage_tiles and (cfg.pingpong or not stages_output(spec, cfg) or staged_tile(spec) is None):
         found.append(f"stage_tiles with {'ping-pong' if cfg.pingpong else 'persistent' if persistent(cfg) else 'one tile a CTA'}, "
                      f"{'a staged' if stages_output(spec, cfg) else 'an unstaged'} output and tile operands {spec.operands} (not "

@@ -89,6 +89,10 @@ class WgmmaConfig:
     #: over them: :mod:`.wgmma_postnorm`'s resident W), their mainloops in turn, so one group's
     #: epilogue runs beside the other's mainloop (CUTLASS's "ping-pong" schedule).
     pingpong: bool = False
+    #: How many such groups take turns (``pingpong`` only; the post-norm kernel's resident W only
+    #: beyond two): with narrow slices (64 accumulators a thread at 128 columns) three groups fit
+    #: the registers, so two epilogues run beside each mainloop (session 25).
+    turns: int = 2
     #: CTAs are persistent: one an SM, each looping over tiles ``bx, bx + grid, ...`` through one
     #: ring, so the producer loads the next tile's K steps while the consumers finish this one
     #: (no fill of an empty ring a tile, no launch a tile). Implied by ``pingpong`` outside the
@@ -120,7 +124,7 @@ class WgmmaConfig:
 
     @property
     def consumers(self) -> int:
-        return self.slot_readers * (2 if self.pingpong else 1)
+        return self.slot_readers * (self.turns if self.pingpong else 1)
 
     @property
     def threads(self) -> int:
@@ -195,6 +199,8 @@ class WgmmaConfig:
                          f"registers per thread: fewer warpgroups{', or a producer warp' if not self.producer_warps else ''})")
         if self.tile_step < 0:
             found.append(f"tile_step = {self.tile_step} (the K step before which the tile operand loads: 0 or more)")
+        if self.turns < 2 or self.turns != 2 and not self.pingpong:
+            found.append(f"turns = {self.turns} (groups of consumer warpgroups taking turns: 2 or more, with pingpong)")
         if self.group_rows < 0:
             found.append(f"group_rows = {self.group_rows} (0: whole columns, or the row tiles a group)")
         if self.ctas_per_sm not in (1, 2):
@@ -317,7 +323,7 @@ def roles(cfg: WgmmaConfig):
 
 def consumer_sync(cfg: WgmmaConfig):
     """``sync(group)``: a barrier of the consumer warpgroups of one tile only (the producer does
-    not take part; with ``pingpong`` each of the two groups has its own)."""
+    not take part; with ``pingpong`` each of the groups taking turns has its own)."""
 
     @T.macro
     def sync(group):

@@ -189,9 +189,20 @@ class Staging:
         return max(len(self.tiles), int(self.store))
 
     def smem_bytes(self, cfg: WgmmaConfig) -> int:
-        """Their bytes; twice over for a CTA that loops over row blocks (the next block's tiles
-        load while this one's are read and stored)."""
-        return self.regions * cfg.bm * cfg.bn * 2 * (2 if cfg.resident else 1)
+        """Their bytes, once a set (:func:`staged_sets`)."""
+        return self.regions * cfg.bm * cfg.bn * 2 * staged_sets(cfg)
+
+
+def staged_sets(cfg: WgmmaConfig) -> int:
+    """Sets of staged tiles: two for a CTA that loops over row blocks (the next block's tiles
+    load while this one's are read and stored), one a group where groups take turns (a group's
+    next block's tiles load while the other groups' mainloops run), else one."""
+    return cfg.turns if cfg.pingpong else 2 if cfg.resident else 1
+
+
+def groups(cfg: WgmmaConfig) -> int:
+    """Groups of consumer warpgroups with epilogues of their own: those taking turns, or one."""
+    return cfg.turns if cfg.pingpong else 1
 
 
 def staging(spec: PostNorm, cfg: WgmmaConfig, stage: bool | None = None) -> Staging:
@@ -209,8 +220,8 @@ def static_bytes(cfg: WgmmaConfig, ranks: int) -> int:
     """The epilogue's static shared memory: per row the partial sums of ``4 * wg_n`` threads
     (two passes), the cluster's row partials (two passes; with a resident W each CTA receives
     all ``ranks`` of them, for two row blocks in turn), and the mbarriers."""
-    exchange = 2 * 2 * ranks * cfg.bm * 4 * (2 if cfg.pingpong else 1) if cfg.resident else 2 * cfg.bm * 4
-    return 2 * cfg.bm * 4 * cfg.wg_n * 4 * (2 if cfg.pingpong else 1) + exchange + 256
+    exchange = 2 * 2 * ranks * cfg.bm * 4 * groups(cfg) if cfg.resident else 2 * cfg.bm * 4
+    return 2 * cfg.bm * 4 * cfg.wg_n * 4 * groups(cfg) + exchange + 256
 
 
 def shared_bytes(cfg: WgmmaConfig, n: int, k: int, stg: Staging) -> int:
@@ -409,8 +420,8 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
     params = params is not False and stages_params(spec, cfg, n, k, stg)
     vec_ops = [j for j, (_, tile) in enumerate(spec.operands) if not tile]  # the added vectors (the bias)
     res, kt, blocks = cfg.resident, k // cfg.bk, m // bm
-    # a resident W: the cluster loops over row blocks, its tiles staged twice over (``bufs``)
-    grid, bufs = (min(blocks, ACTIVE_CLUSTERS[ranks]), 2) if res else (blocks, 1)
+    # a resident W: the cluster loops over row blocks, its tiles staged in ``bufs`` sets
+    grid, bufs = (min(blocks, ACTIVE_CLUSTERS[ranks]) if res else blocks), staged_sets(cfg)
     ring_elems, tile_bytes = cfg.smem_bytes // 2, bm * slice_n * 2
     staged_elems = stg.smem_bytes(cfg) // 2
     produce, consume = mainloop(cfg, k, spec.dtype)
@@ -418,7 +429,7 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
     init = Ring(cfg.stages, cfg.slot_readers).init()
     producer, consumer = roles(cfg)
     sync = consumer_sync(cfg)
-    pingpong = cfg.pingpong
+    pingpong, turns = cfg.pingpong, groups(cfg)
     lead = tuple(lead or (m,))
     if math.prod(lead) != m:
         raise ComFuseError(f"wgmma post-norm: row dimensions {lead} do not multiply to M = {m}")
@@ -614,9 +625,9 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
             rphase, xslot, xphase = T.meta_var((phase % 2, 2 * slot + phase % 2, phase // 2 % 2))
         else:
             rphase, xslot, xphase = T.meta_var((phase, slot, phase))
-        part = T.alloc_shared([2 if pingpong else 1, 2, bm, parts], "float32")  # [group, pass, row, 4 quad lanes x wg_n warpgroups]
+        part = T.alloc_shared([turns, 2, bm, parts], "float32")  # [group, pass, row, 4 quad lanes x wg_n warpgroups]
         # per row: this CTA's slice, read by the cluster (a resident W: every rank's, pushed, for two blocks in turn)
-        rowpart = T.alloc_shared([4 if pingpong else 2, 2, ranks, bm] if res else [2, bm], "float32")
+        rowpart = T.alloc_shared([2 * turns, 2, ranks, bm] if res else [2, bm], "float32")
         s = T.alloc_local([2, 2], "float32")  # [pass, row half]: this thread's partials of its rows r0 and r0 + 8
         stat = T.alloc_local([2, 2], "float32")  # [row half, mean / rstd]
         peer = T.alloc_local([2 if res else 1], "uint32")
@@ -766,23 +777,23 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
                 epilogue(E0, E1, Eg, Eb, out, out2, out_map, R, rfull, rfull, rfull, pfull, acc, (wg - 1) * 128 + tw, 0,
                          bx, rk, 0, 0)
         else:
-            remp = T.alloc_shared([2], "uint64", scope="shared", align=8)  # a staged set's store has read it
+            remp = T.alloc_shared([bufs], "uint64", scope="shared", align=8)  # a staged set's store has read it
             # [set, pass]: the cluster's row partials (ping-pong: a group's two sets apart from the other's)
-            xbar = T.alloc_shared([8 if pingpong else 4], "uint64", scope="shared", align=8)
+            xbar = T.alloc_shared([4 * turns], "uint64", scope="shared", align=8)
             wfull = T.alloc_shared([1], "uint64", scope="shared", align=8)
             if pingpong:
-                turn = T.alloc_shared([2], "uint64", scope="shared", align=8)  # [group]: the other group's mainloop is done
+                turn = T.alloc_shared([turns], "uint64", scope="shared", align=8)  # [group]: the group before's mainloop is done
             else:
                 turn = T.meta_var(None)
             if wg * 128 + tw == 0:
-                for j in T.unroll(2):
+                for j in T.unroll(bufs):
                     T.ptx.mbarrier.init.shared.b64(rfull.ptr_to([j]), T.uint32(1))
                     T.ptx.mbarrier.init.shared.b64(remp.ptr_to([j]), T.uint32(1))
-                for j in T.unroll(8 if pingpong else 4):
+                for j in T.unroll(4 * turns):
                     T.ptx.mbarrier.init.shared.b64(xbar.ptr_to([j]), T.uint32(1))
                 T.ptx.mbarrier.init.shared.b64(wfull.ptr_to([0]), T.uint32(1))
                 if pingpong:
-                    for j in T.unroll(2):
+                    for j in T.unroll(turns):
                         T.ptx.mbarrier.init.shared.b64(turn.ptr_to([j]), T.uint32(1))
                 if params:
                     T.ptx.mbarrier.init.shared.b64(pfull.ptr_to([0]), T.uint32(32))
@@ -798,22 +809,27 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
                         produce(x_map, w_map, S, W, full, empty, (bx + it * grid) * bm, rk * slice_n, it * kt)
                 if tw == 32:  # the staged tiles, a block ahead (a second warp: its waits do not hold up A)
                     for it in T.serial(iters):
-                        T.cuda.mbarrier_wait(remp.ptr_to([it % 2]), (it // 2) % 2 ^ 1)
-                        stage_in(t0_map, t1_map, R, rfull, bx + it * grid, rk, it % 2)
+                        T.cuda.mbarrier_wait(remp.ptr_to([it % bufs]), (it // bufs) % 2 ^ 1)
+                        stage_in(t0_map, t1_map, R, rfull, bx + it * grid, rk, it % bufs)
                 if params:
                     load_params(P0, P1, gamma, beta, E0, E1, Eg, pfull, tw, rk)
             else:
                 consumer()
                 T.cuda.mbarrier_wait(wfull.ptr_to([0]), 0)
-                if pingpong:  # group wg - 1 takes blocks wg - 1, wg + 1, ...: their mainloops alternate with the other's
-                    for j in T.serial((iters + 2 - wg) // 2):
-                        if j + wg - 2 >= 0:  # the other group's previous block has left the ring
-                            T.cuda.mbarrier_wait(turn.ptr_to([wg - 1]), (j + wg - 2) % 2)
-                        consume(S, W, full, empty, acc, da, db, 0, tw, (wg - 1 + 2 * j) * kt)
+                if pingpong:  # group wg - 1 takes blocks wg - 1, wg - 1 + turns, ...: the groups' mainloops in turn
+                    for j in T.serial((iters + turns - wg) // turns):
+                        # the block before (the group before's) has left the ring: that group's j-th block,
+                        # or (the first group) its (j - 1)-th
+                        if turns == 2:  # (two groups: the expressions measured since session 13)
+                            if j + wg - 2 >= 0:
+                                T.cuda.mbarrier_wait(turn.ptr_to([wg - 1]), (j + wg - 2) % 2)
+                        elif turns * j + wg - 2 >= 0:
+                            T.cuda.mbarrier_wait(turn.ptr_to([wg - 1]), (j + T.min(wg - 1, 1) - 1) % 2)
+                        consume(S, W, full, empty, acc, da, db, 0, tw, (wg - 1 + turns * j) * kt)
                         if tw == 0:
-                            T.ptx.mbarrier.arrive.shared.b64(turn.ptr_to([2 - wg]), T.uint32(1))
+                            T.ptx.mbarrier.arrive.shared.b64(turn.ptr_to([2 - wg if turns == 2 else wg % turns]), T.uint32(1))
                         epilogue(E0, E1, Eg, Eb, out, out2, out_map, R, rfull, remp, xbar, pfull, acc, tw, wg - 1,
-                                 bx + (wg - 1 + 2 * j) * grid, rk, wg - 1, j)
+                                 bx + (wg - 1 + turns * j) * grid, rk, wg - 1, j)
                 else:
                     for it in T.serial(iters):
                         consume(S, W, full, empty, acc, da, db, wg - 1, tw, it * kt)

@@ -7,7 +7,8 @@ MetaSchedule can measure the rest on the user's GPU (issues 4 and 8). The knobs 
 
 - rows a CTA (``bm`` 64 or 128) and the cluster's slices (``bn = N / ranks``);
 - consumer warpgroups a slice (``wg_n``), ring depth (``stages``) and K step (``bk``);
-- a resident W slice, with or without ping-pong consumer groups.
+- a resident W slice, with or without ping-pong consumer groups, two to four of them taking
+  turns (:data:`TURNS`; more than two fit the registers only with narrow slices).
 
 Left out, measured slower on the H200 and kept as opt-in knobs: two CTAs an SM and producer
 warps (session 12: both spill or lose their overlap), ``inflight = 0`` (session 8), clusters of
@@ -36,6 +37,9 @@ ROWS = (64, 128)
 WARPGROUPS = (1, 2)
 STAGES = (2, 3, 4, 5, 6)
 K_STEPS = (64, 32)
+#: Ping-pong consumer groups taking turns on a resident W (session 25: three or four, each with
+#: its staged set, so two or three epilogues run beside each mainloop).
+TURNS = (2, 3, 4)
 
 
 def configs(m: int, n: int, k: int, spec: PostNorm) -> list[WgmmaConfig]:
@@ -47,8 +51,8 @@ def configs(m: int, n: int, k: int, spec: PostNorm) -> list[WgmmaConfig]:
     for bm, ranks, wg_n, stages, bk in itertools.product(ROWS, DEFAULT_CLUSTER_SIZES, WARPGROUPS, STAGES, K_STEPS):
         if n % ranks or bm // 64 * wg_n > MAX_CONSUMERS:
             continue
-        for resident, pingpong in ((False, False), (True, False), (True, True)):
-            cfg = WgmmaConfig(bm=bm, bn=n // ranks, stages=stages, bk=bk, wg_n=wg_n, resident=resident, pingpong=pingpong)
+        for resident, pingpong, turns in ((False, False, 2), (True, False, 2)) + tuple((True, True, t) for t in TURNS):
+            cfg = WgmmaConfig(bm=bm, bn=n // ranks, stages=stages, bk=bk, wg_n=wg_n, resident=resident, pingpong=pingpong, turns=turns)
             if cfg not in found and not problems(m, n, k, spec, cfg):
                 found.append(cfg)
     return found
