@@ -266,8 +266,36 @@ def resident_config(n: int, m: int, k: int, spec: PostNorm, pingpong: bool = Tru
     cuBLAS's GEMM alone takes 19; resident, W is read once per CTA and the kernel moves only
     x, the residual and the output. Why ping-pong (session 13, ``experiments/pingpong.py``): with
     the groups splitting a block, the tensor cores idle through every epilogue; taking turns,
-    one group's epilogue runs beside the other's wgmmas (see :func:`resident_pays`)."""
+    one group's epilogue runs beside the other's wgmmas (see :func:`resident_pays`).
+    Where three or four groups fit a slice's registers (``turns``, session 25: slices of at
+    most 192 columns) the most that fit take turns, on the deepest ring of up to six 64-deep
+    stages, though their slices need more CTAs a row: measured on the H100
+    (``experiments/turns.py``, ``session25-h100-2026-12-06/turns-16aee22.json``, device us) at
+    16384 x 256 -> 1024 four groups in eight-CTA clusters of 128 columns 36.7, three 38.2, the
+    two-group default (four CTAs of 256) 41.7, two groups of 128 columns 42.4; at 16384 x 256 ->
+    768 three groups of 192 columns 30.7 against two 33.1 (torch.compile 58.3 and 40.2)."""
+    for turns in (4, 3):
+        cfg = _resident_config(n, m, k, spec, pingpong, turns)
+        if cfg is not None:
+            return cfg
+    return _resident_config(n, m, k, spec, pingpong)
+
+
+def _resident_config(n: int, m: int, k: int, spec: PostNorm, pingpong: bool, turns: int = 2) -> WgmmaConfig | None:
+    """:func:`resident_config` with ``turns`` ping-pong groups (None where none fits; beyond two,
+    only ping-pong configurations)."""
     bk = 64 if k % 64 == 0 else 32
+    if turns > 2:
+        rings = [(64, s) for s in (6, 5, 4, 3)] if bk == 64 and pingpong else []
+        for ranks in DEFAULT_CLUSTER_SIZES:
+            bn = n // ranks
+            if n % ranks or bn % BOX_COLS or bn > 256 or (m // 64) < 2 * ACTIVE_CLUSTERS[ranks]:
+                continue
+            for step, stages in rings:
+                cfg = WgmmaConfig(bm=64, bn=bn, stages=stages, bk=step, wg_n=1, resident=True, pingpong=True, turns=turns)
+                if not problems(m, n, k, spec, cfg):
+                    return cfg
+        return None
     # ping-pong: 64-deep steps where three stages fit, else the deepest ring of 32-deep ones, else two of 64
     deep = [(64, s) for s in (4, 3) if bk == 64] + [(32, s) for s in range(8, 2, -1)] + [(bk, 2)]
     for ranks in DEFAULT_CLUSTER_SIZES:
@@ -302,7 +330,7 @@ def resident_pays(cfg: WgmmaConfig, m: int, n: int, k: int) -> bool:
     55.8 against 25.0) ping-pong is unmeasured, so it is the default only in clusters of at
     most four CTAs with slices of 128 columns or more (``comfuse tune`` measures the rest)."""
     blocks = m // cfg.bm / ACTIVE_CLUSTERS[n // cfg.bn]
-    turns = cfg.pingpong and n // cfg.bn <= 4 and cfg.bn >= 128
+    turns = cfg.pingpong and (n // cfg.bn <= 4 or cfg.turns > 2) and cfg.bn >= 128
     return cfg.resident and (turns or cfg.stages >= k // cfg.bk) and blocks >= 8
 
 
