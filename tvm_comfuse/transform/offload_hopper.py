@@ -21,7 +21,8 @@ one wave of the GEMM's tiles covers the rows and the norm is the only output, on
 CTAs combine their statistics themselves (:mod:`~tvm_comfuse.schedule.row_exchange`). On by
 default for sm_90 targets (``get_pipeline(target, hopper=False)`` turns it off), where it
 measured faster than the rule on every suite shape (H200, session 8). Softmax groups run on the
-same kernels as LayerNorm's (split only, in session 24; the cluster kernel too since session 25).
+same kernels as LayerNorm's (split only, in session 24; the cluster kernel too since session 25),
+but split, not the rule, where the cluster kernel cannot take them (M not a multiple of 64).
 """
 
 from __future__ import annotations
