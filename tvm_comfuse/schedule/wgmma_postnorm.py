@@ -328,7 +328,8 @@ def resident_pays(cfg: WgmmaConfig, m: int, n: int, k: int) -> bool:
     CTAs and slices of 192 or 256 columns; where the resident kernel lost by most without it
     (16384x512x1024 in eight-CTA clusters, 89.0 against 64.8; 16384x1024x256 in 64-column slices,
     55.8 against 25.0) ping-pong is unmeasured, so it is the default only in clusters of at
-    most four CTAs with slices of 128 columns or more (``comfuse tune`` measures the rest)."""
+    most four CTAs with slices of 128 columns or more, or where three or more groups take turns
+    (session 25: eight-CTA clusters of 128 columns, measured faster) (``comfuse tune`` measures the rest)."""
     blocks = m // cfg.bm / ACTIVE_CLUSTERS[n // cfg.bn]
     turns = cfg.pingpong and (n // cfg.bn <= 4 or cfg.turns > 2) and cfg.bn >= 128
     return cfg.resident and (turns or cfg.stages >= k // cfg.bk) and blocks >= 8

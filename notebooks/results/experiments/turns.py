@@ -17,6 +17,16 @@ Prediction: three groups at 128 columns beat two at 256 (the default) by 15-30% 
 shared memory shortens the ring); two groups at 128 columns as the H200's tuning measured them
 (41.4 against 38.8 us: slower than the default). All correct, with the default's error.
 
+Outcome (H100, session 25, commit 16aee22, ``session25-h100-2026-12-06/turns-16aee22.json``):
+**held in direction, not in size**; four groups beat three (device us, all correct, same error):
+
+| M x K x N | cuBLAS | torch.compile | default (2 x 256 or 192) | 2 x 128 | 3 groups | 4 x 128 |
+|---|---|---|---|---|---|---|
+| 16384x256x1024 | 20.9 | 58.3 | 41.7 | 42.4 | 38.2 (128) | 36.7 |
+| 16384x256x768 | 16.6 | 40.2 | 33.1 | - | 30.7 (192) | - |
+
+The most groups that fit are now the resident default (``wgmma_postnorm.resident_config``).
+
 Same inputs for every contender, correctness checked before timing; ``kernel_us`` is the
 profiler's device time per call. Run on the GPU:
 ``bash .ci/gpu-run notebooks/results/experiments/turns.py`` (writes ``$OUT/turns.json``).
