@@ -752,12 +752,19 @@ def test_gpu_tune_the_wgmma_kernel_then_compile_from_its_logs(tmp_path):
     (1000, 128, 256, 192, "silu", "float16", True, None), (192, 192, 192, 64, "gelu", "bfloat16", False, None),
     (65536, 64, 1024, 1024, "gelu", "float16", True, None), (16390, 128, 1024, 1024, None, "bfloat16", False, None),
     (300, 64, 128, 256, "gelu", "float16", True, (64, 4, 64, 64, 3, True)),
+    # output tiles stored beside the next tile's wgmmas (B2BConfig.overlap): one block a CTA, persistent with
+    # 128- and 64-column tiles, two tiles a block (the unrolled pairs loop empty)
+    (1000, 256, 1024, 256, "gelu", "float16", True, (128, 3, 64, 64, 4, False, True)),
+    (16390, 64, 1024, 1024, "silu", "bfloat16", False, (128, 4, 64, 128, 2, True, True)),
+    (300, 128, 256, 192, None, "float16", True, (64, 4, 64, 64, 3, True, True)),
+    (300, 64, 128, 256, "gelu", "float16", True, (64, 4, 64, 64, 3, True, True)),
 ])
 def test_gpu_wgmma_b2b_matches_torch(M, N1, N2, K, act, dtype, residual, cfg):
     """The Hopper back-to-back GEMM (intermediate in registers, output by TMA stores) against
     PyTorch in fp32: ragged M (the last block's rows clipped), persistent CTAs (M = 65536 and
     16390 loop over row blocks), N1 = 192 and 256 (one block a CTA), a residual, bf16, 64-row
-    blocks with three w2 stages; the rows as ``[2, M / 2]`` (3-D activations read in place)."""
+    blocks with three w2 stages, two accumulator sets (``overlap``); the rows as ``[2, M / 2]``
+    (3-D activations read in place)."""
     import tvm  # pylint: disable=import-outside-toplevel
 
     from tvm_comfuse.schedule import wgmma_b2b as wb, wgmma_mainloop as wm  # pylint: disable=import-outside-toplevel

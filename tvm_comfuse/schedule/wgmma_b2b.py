@@ -126,6 +126,13 @@ class B2BConfig:
     #: (CUDA 13.0) keeps GEMM 1's accumulators apart from GEMM 2's fragments and accumulators,
     #: and spills (32 to 736 bytes at N1 = 192 and 256, none one block a CTA).
     persistent: bool = True
+    #: Two sets of GEMM 2 accumulators: each output tile's epilogue (the second chain, staging,
+    #: TMA store) runs once the next tile's first w2 chunk is issued, beside its wgmmas, instead
+    #: of after a ``wait_group 0`` with the tensor cores idle (the warpgroup's other chunks wait
+    #: for it either way). Needs an even number of output tiles. Why: at N1 = 256 a 128-row block
+    #: has 16 output tiles of 64 columns, each an epilogue of ~32 values a thread, comparable to
+    #: the tile's four chunks of wgmmas (session 26).
+    overlap: bool = False
 
     def phase1(self, n1: int) -> WgmmaConfig:
         """GEMM 1's mainloop: the CTA's rows, the whole intermediate row."""
@@ -147,6 +154,8 @@ class B2BConfig:
             found.append(f"N1 = {n1} (one of {INTERMEDIATE}: the intermediate row in one warpgroup's registers)")
         if self.bn2 not in (64, 128) or n2 % self.bn2:
             found.append(f"bn2 = {self.bn2} for N2 = {n2} (64 or 128, dividing N2: 64-column staging boxes)")
+        if self.overlap and (n2 // self.bn2) % 2:
+            found.append(f"overlap with {n2 // self.bn2} output tiles (an even number: the two accumulator sets alternate)")
         if self.stages2 < 2:
             found.append(f"stages2 = {self.stages2} (at least 2: the next w2 chunk loads while one is read)")
         if self.bm not in (64, 128):
@@ -242,28 +251,68 @@ def wgmma_b2b(m: int, n1: int, n2: int, k: int, spec: B2B = B2B(), cfg: B2BConfi
 
     # pylint: disable=invalid-name,unused-variable,too-many-locals
     @T.macro
+    def gemm2_chunk(S2, full2, acc2, frag, db, step, c):
+        """Chunk ``c`` of an output tile (``step`` counted over the CTA's chunks): its wgmmas
+        into ``acc2``, A from the registers, committed as one group."""
+        wait2(full2, step)
+        T.ptx["wgmma.fence.sync.aligned"]()
+        for jj in T.unroll(4):
+            j = T.meta_var(4 * c + jj)
+            T.cuda.wgmma.encode_matrix_descriptor(T.address_of(db[0]), S2.ptr_to([step % st2, 0, jj * 16]), 1, 1024 >> 4, 3)
+            T.ptx[mma2](*[acc2[i] for i in range(bn2 // 2)], frag[4 * j], frag[4 * j + 1], frag[4 * j + 2], frag[4 * j + 3],
+                        db[0], T.ptx.pred(j > 0), 1, 1, 0)
+        T.ptx["wgmma.commit_group.sync.aligned"]()
+
+    @T.macro
     def gemm2_tile(S2, full2, empty2, acc2, frag, db, tw, tile_no):
         """Output tile ``tile_no`` (counted over the CTA's blocks) of GEMM 2 into ``acc2``: its
-        ``N1 / 64`` w2 chunks from the second ring, A from the registers; each chunk's slot is
-        released once the next chunk's wgmmas are issued and its own have completed."""
+        ``N1 / 64`` w2 chunks from the second ring; each chunk's slot is released once the next
+        chunk's wgmmas are issued and its own have completed."""
         for c in T.unroll(chunks):
-            step = T.meta_var(tile_no * chunks + c)
-            wait2(full2, step)
-            T.ptx["wgmma.fence.sync.aligned"]()
-            for jj in T.unroll(4):
-                j = T.meta_var(4 * c + jj)
-                T.cuda.wgmma.encode_matrix_descriptor(T.address_of(db[0]), S2.ptr_to([step % st2, 0, jj * 16]), 1, 1024 >> 4, 3)
-                T.ptx[mma2](*[acc2[i] for i in range(bn2 // 2)], frag[4 * j], frag[4 * j + 1], frag[4 * j + 2], frag[4 * j + 3],
-                            db[0], T.ptx.pred(j > 0), 1, 1, 0)
-            T.ptx["wgmma.commit_group.sync.aligned"]()
+            gemm2_chunk(S2, full2, acc2, frag, db, tile_no * chunks + c, c)
             if c == chunks - 1:
                 T.ptx["wgmma.wait_group.sync.aligned"](0)
                 if c > 0:
-                    release2(empty2, step - 1, tw)
-                release2(empty2, step, tw)
+                    release2(empty2, tile_no * chunks + c - 1, tw)
+                release2(empty2, tile_no * chunks + c, tw)
             elif c > 0:
                 T.ptx["wgmma.wait_group.sync.aligned"](1)
+                release2(empty2, tile_no * chunks + c - 1, tw)
+
+    @T.macro
+    def gemm2_block(S2, full2, empty2, acc2, frag, db, tw, out_map, O, P2, cw, row0, first):
+        """GEMM 2 and the second chain of one row block, its tiles ``first, first + 1, ...``
+        (counted over the CTA's blocks) one after another."""
+        for tile in T.serial(tiles):
+            gemm2_tile(S2, full2, empty2, acc2, frag, db, tw, first + tile)
+            store_tile(out_map, O, P2, acc2, cw, tw, row0, tile * bn2, (first + tile) % 2)
+
+    @T.macro
+    def overlapped_tile(S2, full2, empty2, acc2, prev, frag, db, tw, out_map, O, P2, cw, row0, first, t, after):
+        """Tile ``t`` of the block into ``acc2``, its chunks' slots released as
+        :func:`gemm2_tile`'s; with ``after`` (a tile precedes), the one before, in ``prev``, is
+        stored once this tile's first chunk is issued (its own wgmmas have completed then)."""
+        for c in T.unroll(chunks):
+            step = T.meta_var((first + t) * chunks + c)
+            gemm2_chunk(S2, full2, acc2, frag, db, step, c)
+            if c > 0 or after:
+                T.ptx["wgmma.wait_group.sync.aligned"](1)
                 release2(empty2, step - 1, tw)
+            if c == 0 and after:
+                store_tile(out_map, O, P2, prev, cw, tw, row0, (t - 1) * bn2, (first + t - 1) % 2)
+
+    @T.macro
+    def overlapped_block(S2, full2, empty2, acc2, acc3, frag, db, tw, out_map, O, P2, cw, row0, first):
+        """:func:`gemm2_block` with two accumulator sets (``B2BConfig.overlap``): tiles alternate
+        between ``acc2`` and ``acc3``, each stored beside the next one's first wgmmas."""
+        overlapped_tile(S2, full2, empty2, acc2, acc3, frag, db, tw, out_map, O, P2, cw, row0, first, 0, False)
+        for p in T.unroll(tiles // 2 - 1):
+            overlapped_tile(S2, full2, empty2, acc3, acc2, frag, db, tw, out_map, O, P2, cw, row0, first, 2 * p + 1, True)
+            overlapped_tile(S2, full2, empty2, acc2, acc3, frag, db, tw, out_map, O, P2, cw, row0, first, 2 * p + 2, True)
+        overlapped_tile(S2, full2, empty2, acc3, acc2, frag, db, tw, out_map, O, P2, cw, row0, first, tiles - 1, True)
+        T.ptx["wgmma.wait_group.sync.aligned"](0)
+        release2(empty2, (first + tiles) * chunks - 1, tw)
+        store_tile(out_map, O, P2, acc3, cw, tw, row0, (tiles - 1) * bn2, (first + tiles - 1) % 2)
 
     @T.macro
     def body(x_map, w1_map, w2_map, out_map, P1, P2):
@@ -281,6 +330,7 @@ def wgmma_b2b(m: int, n1: int, n2: int, k: int, spec: B2B = B2B(), cfg: B2BConfi
         empty2 = T.alloc_shared([st2], "uint64", scope="shared", align=8)
         acc1 = T.alloc_local([n1 // 2], "float32")
         acc2 = T.alloc_local([bn2 // 2], "float32")
+        acc3 = T.alloc_local([bn2 // 2 if cfg.overlap else 1], "float32")  # the second set (overlap)
         frag = T.alloc_local([n1 // 4], "uint32")
         da = T.alloc_local([1], "uint64")
         db = T.alloc_local([1], "uint64")
@@ -312,9 +362,10 @@ def wgmma_b2b(m: int, n1: int, n2: int, k: int, spec: B2B = B2B(), cfg: B2BConfi
                         lo = T.meta_var(epilogue_value(first, P1, acc1[8 * j + 2 * p], clamp(row0 + lrow), col))
                         hi = T.meta_var(epilogue_value(first, P1, acc1[8 * j + 2 * p + 1], clamp(row0 + lrow), col + 1))
                         T.ptx[pack](frag[4 * j + p], hi, lo)
-                for tile in T.serial(tiles):
-                    gemm2_tile(S2, full2, empty2, acc2, frag, db, tw, it * tiles + tile)
-                    store_tile(out_map, O, P2, acc2, cw, tw, row0, tile * bn2, (it * tiles + tile) % 2)
+                if cfg.overlap:
+                    overlapped_block(S2, full2, empty2, acc2, acc3, frag, db, tw, out_map, O, P2, cw, row0, it * tiles)
+                else:
+                    gemm2_block(S2, full2, empty2, acc2, frag, db, tw, out_map, O, P2, cw, row0, it * tiles)
             drain(tw)
 
     # the parameter list depends on the operands: the signature is generated, the body is the macro above
