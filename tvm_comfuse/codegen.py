@@ -58,8 +58,10 @@ def compile_with_nvcc(source: str, arch: str = "sm_90", fmt: str = "cubin") -> b
 
 def ptxas_usage(source: str, arch: str = "sm_90a") -> dict:
     """What ptxas reports for the CUDA ``source`` (``nvcc -Xptxas -v``): ``registers`` per
-    thread, ``spill`` bytes stored and ``smem`` bytes of static shared memory; raise RuntimeError
-    when nvcc fails."""
+    thread, ``spill`` bytes stored, ``smem`` bytes of static shared memory and ``serialized``,
+    the codes of its wgmma performance warnings (C7514 and kin: ptxas waits for every wgmma
+    group where it cannot prove the accumulators untouched in flight; session 26 met it with the
+    b2b kernel's output tiles in a loop); raise RuntimeError when nvcc fails."""
     with tempfile.TemporaryDirectory() as tmp:
         with open(os.path.join(tmp, "k.cu"), "w", encoding="utf-8") as f:
             f.write(source)
@@ -67,8 +69,14 @@ def ptxas_usage(source: str, arch: str = "sm_90a") -> dict:
                               os.path.join(tmp, "k.cu")], capture_output=True, text=True, check=False)
     if run.returncode:
         raise RuntimeError(f"nvcc failed: {run.stderr.strip()[-2000:]}")
-    number = lambda pattern: int(getattr(re.search(pattern, run.stderr), "group", lambda _: 0)(1))  # noqa: E731  (absent: 0)
-    return {"registers": number(r"Used (\d+) registers"), "spill": number(r"(\d+) bytes spill stores"), "smem": number(r"(\d+) bytes smem")}
+    return ptxas_report(run.stderr)
+
+
+def ptxas_report(text: str) -> dict:
+    """:func:`ptxas_usage`'s fields read from ptxas's ``-v`` output ``text``."""
+    number = lambda pattern: int(getattr(re.search(pattern, text), "group", lambda _: 0)(1))  # noqa: E731  (absent: 0)
+    return {"registers": number(r"Used (\d+) registers"), "spill": number(r"(\d+) bytes spill stores"), "smem": number(r"(\d+) bytes smem"),
+            "serialized": re.findall(r"\((C75\d\d)\) Potential Performance Loss: wgmma", text)}
 
 
 def nvdisasm() -> str | None:

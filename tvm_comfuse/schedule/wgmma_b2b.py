@@ -306,6 +306,7 @@ def wgmma_b2b(m: int, n1: int, n2: int, k: int, spec: B2B = B2B(), cfg: B2BConfi
         """:func:`gemm2_block` with two accumulator sets (``B2BConfig.overlap``): tiles alternate
         between ``acc2`` and ``acc3``, each stored beside the next one's first wgmmas."""
         overlapped_tile(S2, full2, empty2, acc2, acc3, frag, db, tw, out_map, O, P2, cw, row0, first, 0, False)
+        # unrolled: in a loop ptxas cannot tell the sets apart and waits for every wgmma group (C7514)
         for p in T.unroll(tiles // 2 - 1):
             overlapped_tile(S2, full2, empty2, acc3, acc2, frag, db, tw, out_map, O, P2, cw, row0, first, 2 * p + 1, True)
             overlapped_tile(S2, full2, empty2, acc2, acc3, frag, db, tw, out_map, O, P2, cw, row0, first, 2 * p + 2, True)

@@ -21,6 +21,7 @@ Run on the GPU: ``bash .ci/gpu-run notebooks/results/experiments/b2b_overlap.py`
 """
 
 import dataclasses
+import sys
 
 import torch
 
@@ -34,21 +35,44 @@ SHAPES = ((65536, 256), (16384, 256), (65536, 128), (65536, 64))
 
 
 def candidates(m: int, n1: int, width: int) -> list:
-    """``(label, spec, config)``: the default with and without overlap, then with overlap on
-    other rings; at 65536 x 256 also the chain without its GELU."""
+    """``(label, spec, config)``: the default with and without overlap, then on deeper w2 rings
+    or 32-deep GEMM 1 steps without overlap, the deeper w2 rings with it; at 65536 x 256 also
+    the chain without its GELU."""
     default, mlp = wb.default_config(m, n1, width, width), wb.B2B.mlp()
     on = dataclasses.replace(default, overlap=True)
     found = [("default", mlp, default), ("overlap", mlp, on)]
-    rings = [dict(stages2=s2) for s2 in (5, 6, 8)] + [dict(bk=32, stages=s, stages2=s2) for s, s2 in ((6, 4), (5, 6), (4, 8))]
-    found += [(f"overlap {ring}", mlp, dataclasses.replace(on, **ring)) for ring in rings]
+    deeper = [dict(stages2=s2) for s2 in (3, 5, 6, 8) if s2 > default.stages2]
+    rings = deeper + [dict(bk=32, stages=s, stages2=s2) for s, s2 in ((6, 4), (5, 6), (4, 8))]
+    found += [(f"{ring}", mlp, dataclasses.replace(default, **ring)) for ring in rings]
+    found += [(f"overlap {ring}", mlp, dataclasses.replace(on, **ring)) for ring in deeper]
     if (m, n1) == (65536, 256):
         found += [("default, no gelu", wb.B2B.mlp(act=None), default), ("overlap, no gelu", wb.B2B.mlp(act=None), on)]
     return [(label, spec, cfg) for label, spec, cfg in found if not wb.problems(m, n1, width, width, spec, cfg)]
 
 
-def main(width=1024):
+def proposals(m: int, n1: int, width: int) -> list:
+    """``(label, spec, config)`` for the second run: the default, and where the first run found
+    a faster configuration, its rule: persistent CTAs with 64-column output tiles on the deepest
+    w2 ring that fits (up to six slots) with overlap; one wave of blocks on the deepest GEMM 1
+    ring of 32-deep steps (up to six) beside a four-slot w2 ring."""
+    default, mlp = wb.default_config(m, n1, width, width), wb.B2B.mlp()
+    found = [("default", mlp, default)]
+    for s2 in (6, 5):
+        cfg = dataclasses.replace(default, stages2=s2, overlap=True)
+        if default.persistent and default.bn2 == 64 and not wb.problems(m, n1, width, width, mlp, cfg):
+            found.append((f"overlap, w2 ring {s2}", mlp, cfg))
+            break
+    for stages in (6, 5, 4):
+        cfg = dataclasses.replace(default, bk=32, stages=stages)
+        if -(-m // default.bm) <= wb.SM_COUNT and not default.persistent and not wb.problems(m, n1, width, width, mlp, cfg):
+            found.append((f"bk 32, {stages} stages", mlp, cfg))
+            break
+    return found
+
+
+def main(width=1024, shapes=SHAPES, configs=candidates):
     rows, gen = [], torch.Generator(device="cuda").manual_seed(0)
-    for m, n1 in SHAPES:
+    for m, n1 in shapes:
         rnd = lambda *s: torch.randn(*s, device="cuda", dtype=torch.float16, generator=gen)  # noqa: E731
         x, w1, b1, w2, b2 = rnd(m, width), rnd(n1, width) / width**0.5, rnd(n1), rnd(width, n1) / n1**0.5, rnd(width)
         base = dict(op="mlp_gelu", M=m, K=width, N1=n1, N=width)
@@ -62,7 +86,7 @@ def main(width=1024):
             line += f" {name} {rows[-1]['kernel_us']:.1f}"
         print(line, flush=True)
         nogelu = F.linear(F.linear(x.float(), w1.float(), b1.float()).half().float(), w2.float(), b2.float())
-        for label, spec, cfg in candidates(m, n1, width):
+        for label, spec, cfg in configs(m, n1, width):
             row = measure(dict(base, contender=f"b2b {label}", config=dataclasses.asdict(cfg)),
                           lambda s=spec, c=cfg, m=m, n1=n1: wb.wgmma_b2b(m, n1, width, width, s, c), [x, w1, b1, w2, b2],
                           torch.empty(m, width, device="cuda", dtype=torch.float16), nogelu if "no gelu" in label else ref)
@@ -73,4 +97,7 @@ def main(width=1024):
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:] == ["proposals"]:  # the second run: every MLP shape of issue 5, the default against the proposals
+        main(shapes=[(m, n1) for m in (16384, 65536) for n1 in (64, 128, 256)], configs=proposals)
+    else:
+        main()
