@@ -176,12 +176,22 @@ def default_config(m: int, n1: int, n2: int, k: int, dtype: str = "float16", out
     stages. Wider: 64-column tiles and four w2 stages (session 15, ``experiments/b2b_configs.py``:
     the two warpgroups share each w2 chunk, and a two-slot ring keeps them in step, their
     epilogues at the same time; 65536 x 1024 -> 128 went from 118 to 104.5 us, 16384 -> 256 from
-    61 to 42.9, 65536 -> 256 from 237 to 166). None if nothing fits."""
-    narrow = n1 <= 64
+    61 to 42.9, 65536 -> 256 from 237 to 166). Session 26 (H100, ``experiments/b2b_overlap.py``):
+    where the CTAs are persistent and the tiles 64 columns wide, the tiles stored beside the next
+    tile's wgmmas (``overlap``) on the deepest w2 ring of up to six slots beside the GEMM 1 ring
+    (65536 -> 128: 113.5 against 121.5 us; either alone no better than 118.9); where the blocks
+    are one wave and not persistent, GEMM 1 on up to six 32-deep steps (16384 -> 256: 45.1 against
+    49.5: a CTA's first wgmmas start on a smaller first load). None if nothing fits."""
+    narrow, persistent = n1 <= 64, n1 <= 128
     bn2 = 128 if narrow and n2 % 128 == 0 and _size(out_dtype) == 2 else 64
-    for bk in (64, 32):
-        for stages in (4, 3, 2):
-            cfg = B2BConfig(128, stages, bk, bn2, 2 if narrow else 4, n1 <= 128)
+    rings = ((4, 64), (3, 64), (2, 64), (4, 32), (3, 32), (2, 32))
+    if not persistent and -(-m // 128) <= SM_COUNT:
+        rings = ((6, 32), (5, 32)) + rings
+    overlap = persistent and bn2 == 64
+    w2 = ((6, True), (5, True), (4, True), (4, False)) if overlap else ((2 if narrow else 4, False),)
+    for stages, bk in rings:
+        for stages2, over in w2:
+            cfg = B2BConfig(128, stages, bk, bn2, stages2, persistent, over)
             if not cfg.problems(m, n1, n2, k, dtype, out_dtype):
                 return cfg
     return None

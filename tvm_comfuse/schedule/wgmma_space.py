@@ -85,14 +85,16 @@ def elementwise_configs(m: int, n: int, k: int, spec: we.Elementwise) -> list[Wg
 
 def b2b_configs(m: int, n1: int, n2: int, k: int, spec: wb.B2B) -> list[wb.B2BConfig]:
     """The back-to-back kernel's configurations for the pair: rows a block, GEMM 1's ring depth
-    and K step, the output tile and w2's ring depth, persistent CTAs or not; the untuned default
-    first (none where the kernel cannot take the pair)."""
+    and K step, the output tile and w2's ring depth, persistent CTAs or not, two accumulator sets
+    or one (``overlap``); the untuned default first (none where the kernel cannot take the pair)."""
     default = wb.default_config(m, n1, n2, k, spec.dtype, spec.out_dtype)
     if default is None or wb.problems(m, n1, n2, k, spec, default):
         return []
     found = [default]
-    for bm, stages, bk, bn2, stages2, persistent in itertools.product(ROWS, STAGES[:3], K_STEPS, (128, 64), (2, 3), (True, False)):
-        cfg = wb.B2BConfig(bm, stages, bk, bn2, stages2, persistent)
+    rings = ((2, 64), (3, 64), (4, 64), (4, 32), (5, 32), (6, 32))  # GEMM 1's (stages, bk)
+    walks = ((False, False), (True, False), (True, True))  # (persistent, overlap): overlap lost one block a CTA (session 26)
+    for bm, (stages, bk), bn2, stages2, (persistent, overlap) in itertools.product(ROWS, rings, (128, 64), (2, 3, 4, 6), walks):
+        cfg = wb.B2BConfig(bm, stages, bk, bn2, stages2, persistent, overlap)
         if cfg not in found and not wb.problems(m, n1, n2, k, spec, cfg):
             found.append(cfg)
     return found

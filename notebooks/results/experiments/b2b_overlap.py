@@ -50,24 +50,23 @@ def candidates(m: int, n1: int, width: int) -> list:
     return [(label, spec, cfg) for label, spec, cfg in found if not wb.problems(m, n1, width, width, spec, cfg)]
 
 
+def session15_rule(m: int, n1: int, width: int) -> wb.B2BConfig:
+    """The default before session 26 (``wgmma_b2b.default_config`` then): the deepest GEMM 1
+    ring of 64-deep steps beside two w2 slots (N1 = 64) or four, no overlap."""
+    narrow = n1 <= 64
+    for stages in (4, 3, 2):
+        cfg = wb.B2BConfig(128, stages, 64, 128 if narrow else 64, 2 if narrow else 4, n1 <= 128)
+        if not cfg.problems(m, n1, width, width, "float16"):
+            return cfg
+    raise AssertionError("no session-15 configuration fits")
+
+
 def proposals(m: int, n1: int, width: int) -> list:
-    """``(label, spec, config)`` for the second run: the default, and where the first run found
-    a faster configuration, its rule: persistent CTAs with 64-column output tiles on the deepest
-    w2 ring that fits (up to six slots) with overlap; one wave of blocks on the deepest GEMM 1
-    ring of 32-deep steps (up to six) beside a four-slot w2 ring."""
-    default, mlp = wb.default_config(m, n1, width, width), wb.B2B.mlp()
-    found = [("default", mlp, default)]
-    for s2 in (6, 5):
-        cfg = dataclasses.replace(default, stages2=s2, overlap=True)
-        if default.persistent and default.bn2 == 64 and not wb.problems(m, n1, width, width, mlp, cfg):
-            found.append((f"overlap, w2 ring {s2}", mlp, cfg))
-            break
-    for stages in (6, 5, 4):
-        cfg = dataclasses.replace(default, bk=32, stages=stages)
-        if -(-m // default.bm) <= wb.SM_COUNT and not default.persistent and not wb.problems(m, n1, width, width, mlp, cfg):
-            found.append((f"bk 32, {stages} stages", mlp, cfg))
-            break
-    return found
+    """``(label, spec, config)`` for the second run, every MLP shape of issue 5: the session-15
+    rule and the default that follows the first run (overlap on a six-slot w2 ring for persistent
+    CTAs with 64-column tiles, six 32-deep GEMM 1 steps for one wave of blocks)."""
+    mlp, old, new = wb.B2B.mlp(), session15_rule(m, n1, width), wb.default_config(m, n1, width, width)
+    return [("session 15 rule", mlp, old)] + ([("default", mlp, new)] if new != old else [])
 
 
 def main(width=1024, shapes=SHAPES, configs=candidates):
