@@ -17,10 +17,17 @@ tiles, persistent CTAs whose next block's loads already overlap); at 65536 x 256
 eager. Same inputs for every contender; correctness checked before timing.
 
 Run on the GPU: ``bash .ci/gpu-run notebooks/results/experiments/b2b_overlap.py`` (writes
-``$OUT/b2b-overlap.json``).
+``$OUT/b2b-overlap.json``); ``MODE=proposals bash .ci/gpu-run ...`` (or the argument
+``proposals``) times the default against session 15's rule at every MLP shape of issue 5.
+
+Outcome (H100, session 26, ``session26-h100-2026-12-06/``): refuted at N1 = 256 (overlap 17%
+slower one block a CTA) and 64 (6% slower); at 128 it wins only beside a six-slot w2 ring
+(113.5 against 121.5 us). One wave at 16384 x 256 gained 9% from six 32-deep GEMM 1 steps.
+Both became the default; 65536 x 256 still trails eager and torch.compile by 1-5%.
 """
 
 import dataclasses
+import os
 import sys
 
 import torch
@@ -96,7 +103,7 @@ def main(width=1024, shapes=SHAPES, configs=candidates):
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["proposals"]:  # the second run: every MLP shape of issue 5, the default against the proposals
+    if sys.argv[1:] == ["proposals"] or os.environ.get("MODE") == "proposals":  # every MLP shape: the default against session 15's rule
         main(shapes=[(m, n1) for m in (16384, 65536) for n1 in (64, 128, 256)], configs=proposals)
     else:
         main()
