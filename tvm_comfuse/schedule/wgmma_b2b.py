@@ -129,9 +129,9 @@ class B2BConfig:
     #: Two sets of GEMM 2 accumulators: each output tile's epilogue (the second chain, staging,
     #: TMA store) runs once the next tile's first w2 chunk is issued, beside its wgmmas, instead
     #: of after a ``wait_group 0`` with the tensor cores idle (the warpgroup's other chunks wait
-    #: for it either way). Needs an even number of output tiles. Why: at N1 = 256 a 128-row block
-    #: has 16 output tiles of 64 columns, each an epilogue of ~32 values a thread, comparable to
-    #: the tile's four chunks of wgmmas (session 26).
+    #: for it either way). Needs an even number of output tiles. Measured (H100, session 26): at
+    #: N1 = 128 on persistent CTAs, beside a six-slot w2 ring (a slot stays held through the
+    #: epilogue), 7% faster; one block a CTA at N1 = 256 17% slower, at N1 = 64 6% slower.
     overlap: bool = False
 
     def phase1(self, n1: int) -> WgmmaConfig:
@@ -187,7 +187,7 @@ def default_config(m: int, n1: int, n2: int, k: int, dtype: str = "float16", out
     rings = ((4, 64), (3, 64), (2, 64), (4, 32), (3, 32), (2, 32))
     if not persistent and -(-m // 128) <= SM_COUNT:
         rings = ((6, 32), (5, 32)) + rings
-    overlap = persistent and bn2 == 64
+    overlap = persistent and not narrow and bn2 == 64  # (measured at N1 = 128; at 64 with 128-column tiles it lost)
     w2 = ((6, True), (5, True), (4, True), (4, False)) if overlap else ((2 if narrow else 4, False),)
     for stages, bk in rings:
         for stages2, over in w2:
@@ -301,7 +301,8 @@ def wgmma_b2b(m: int, n1: int, n2: int, k: int, spec: B2B = B2B(), cfg: B2BConfi
     def overlapped_tile(S2, full2, empty2, acc2, prev, frag, db, tw, out_map, O, P2, cw, row0, first, t, after):
         """Tile ``t`` of the block into ``acc2``, its chunks' slots released as
         :func:`gemm2_tile`'s; with ``after`` (a tile precedes), the one before, in ``prev``, is
-        stored once this tile's first chunk is issued (its own wgmmas have completed then)."""
+        stored once this tile's first chunk is issued and the ``wait_group 1`` after it has seen
+        the previous tile's last group complete."""
         for c in T.unroll(chunks):
             step = T.meta_var((first + t) * chunks + c)
             gemm2_chunk(S2, full2, acc2, frag, db, step, c)
