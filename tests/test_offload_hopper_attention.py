@@ -193,13 +193,15 @@ def test_the_kernels_model_is_attention():
                                   wa.Attention(4, 2, 104, mask="keys", mask_batch=4), wa.Attention(2, 4, 200, 128), wa.Attention(2, 2, 32)])
 def test_attention_kernel_compiles_without_spills_or_hazards(spec):
     """BERT-base's attention (and a 64-key, a bf16 128-wide-head one, 512 and 1024 keys in
-    blocks, a padding mask, sequences no block divides): ptxas keeps the scores, probabilities and outputs in registers, and no SASS
+    blocks, a padding mask, sequences no block divides): ptxas keeps the scores, probabilities and outputs in registers
+    without serialising the wgmmas, and no SASS
     instruction reads an accumulator a wgmma may still write; the softmax's quad reductions are
     shuffles."""
     if codegen.nvdisasm() is None:
         pytest.fail("nvdisasm is missing: pip install nvidia-cuda-nvdisasm (the test extra)")
     source = codegen.cuda_source(wm.build(wa.wgmma_attention(spec)))
-    assert codegen.ptxas_usage(source)["spill"] == 0 and source.count("__shfl_xor_sync") == 8
+    usage = codegen.ptxas_usage(source)
+    assert usage["spill"] == 0 and usage["serialized"] == [] and source.count("__shfl_xor_sync") == 8
     sass = codegen.sass(codegen.compile_with_nvcc(source, "sm_90a"))
     assert "HGMMA" in sass and codegen.wgmma_hazards(sass) == []
 

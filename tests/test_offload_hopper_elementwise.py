@@ -235,13 +235,14 @@ def test_sm90a_compile_runs_the_groups_as_wgmma_kernels(caplog):
 ])
 def test_bert_sized_kernels_compile_without_spills_or_hazards(mnk, spec, lead):
     """BERT-base's FFN1 and projections on their default tiles (and rows no tile divides):
-    ptxas keeps every accumulator in registers (no spills) and no SASS instruction reads an
+    ptxas keeps every accumulator in registers (no spills, no serialised wgmmas) and no SASS instruction reads an
     accumulator a wgmma may still write. Row-major outputs leave by TMA stores only (staged in
     the ring once the mainloops are done), head layouts by each thread's stores."""
     if codegen.nvdisasm() is None:
         pytest.fail("nvdisasm is missing: pip install nvidia-cuda-nvdisasm (the test extra)")
     source = codegen.cuda_source(wm.build(we.wgmma_elementwise(*mnk, spec, lead=lead)))
-    assert codegen.ptxas_usage(source)["spill"] == 0
+    usage = codegen.ptxas_usage(source)
+    assert usage["spill"] == 0 and usage["serialized"] == []
     sass = codegen.sass(codegen.compile_with_nvcc(source, "sm_90a"))
     assert "HGMMA" in sass and codegen.wgmma_hazards(sass) == []
     assert ("UTMASTG" in sass, " STG." in sass) == ((True, False) if not spec.layout else (False, True))
