@@ -131,6 +131,23 @@ def test_compile_uses_the_fastest_tuned_configuration(tmp_path, monkeypatch, cap
     assert applied_from_database(mod, H100, logs, hopper=False) == (0, 1)  # the rule's task has no record
 
 
+def test_logs_that_never_measured_the_default_apply_with_a_warning(tmp_path, monkeypatch, caplog):
+    """Logs tuned before the untuned default changed (the shipped wide-short-k log predates
+    session 25's default, which beat its best by 12%) still apply, and the compile warns that the
+    default was never measured against them; where the logs have it, no warning."""
+    mod = workloads.post_norm(8192, 768, 768, "float16", "layer_norm", linear=True)
+    task = _task()
+    desc = hopper.description_of(task.mod)
+    space = configs(*desc.mnk, desc.spec)
+    for picks, warned in (([(space[7], 2e-5), (space[3], 3e-5)], True), ([(space[7], 2e-5), (space[0], 3e-5)], False)):
+        path = tmp_path / str(warned)
+        path.mkdir()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="tvm_comfuse"):
+            assert _spied_configs(monkeypatch, mod, _logs(path, task, picks)) == [space[7]]
+        assert ("never measured against this version's untuned default" in caplog.text) == warned
+
+
 def test_an_unusable_record_falls_back_to_the_default(tmp_path, monkeypatch, caplog):
     """A record whose configuration the kernel cannot run for this shape (a hand-edited or
     foreign log) is not applied: the default is, with a warning naming why."""

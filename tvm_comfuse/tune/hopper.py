@@ -340,7 +340,9 @@ def build_candidate(mod: tvm.IRModule, _target=None, _params=None) -> tvm.runtim
 
 def tuned_config(db: ms.Database, mod: tvm.IRModule) -> WgmmaConfig | None:
     """The configuration of the fastest record for the task module ``mod`` in ``db``, or None
-    where it has none (or the record is not a configuration the kernel can run here: logged)."""
+    where it has none (or the record is not a configuration the kernel can run here: logged).
+    Where the logs never measured this version's untuned default (tuned before a default
+    changed), the record is still applied, with a warning that says how to measure the default."""
     if not db.has_workload(mod):
         return None
     records = db.get_top_k(db.commit_workload(mod), 1)
@@ -353,4 +355,11 @@ def tuned_config(db: ms.Database, mod: tvm.IRModule) -> WgmmaConfig | None:
         LOG.warning("ComFuse: a tuning record for the %s kernel at M, N, K = %s is unusable (%s); using the default",
                     desc.kind, desc.mnk, "; ".join(why))
         return None
+    default = desc.configs()[0]
+    if cfg != default and not any(config_of(r.trace, desc.family) == default
+                                  for r in db.get_top_k(db.commit_workload(mod), 1 << 20)):
+        LOG.warning("ComFuse: the logs' best %s configuration at M, N, K = %s was never measured against this version's "
+                    "untuned default (%s), which may be faster: run `comfuse tune` on these logs again, which measures the "
+                    "default first (session 25's default at wide-short-k was 12%% faster than its shipped best, on an H100)",
+                    desc.kind, desc.mnk, config_json(default))
     return cfg
