@@ -25,8 +25,10 @@ one a task:
 
 The annotations are all that differs between candidates, so the XGBoost cost model sees the same
 features for each: it cannot rank them, and the search measures the space in random order. The
-space (7 to 112 configurations on the suite's shapes) is small enough for that; the measured
-trials-to-best are in ``tuning_logs/README.md``.
+post-norm kernel's space (7 to 132 configurations on the suite's shapes) is small enough for
+that; the b2b kernel's is larger (189 to 273 at issue 5's MLPs since session 26: 64 random
+trials draw one of its three fastest about 60% of the time); the measured trials-to-best are in
+``tuning_logs/README.md``.
 """
 
 from __future__ import annotations
