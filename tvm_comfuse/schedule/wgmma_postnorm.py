@@ -285,26 +285,18 @@ def _resident_config(n: int, m: int, k: int, spec: PostNorm, pingpong: bool, tur
     """:func:`resident_config` with ``turns`` ping-pong groups (None where none fits; beyond two,
     only ping-pong configurations)."""
     bk = 64 if k % 64 == 0 else 32
-    if turns > 2:
-        rings = [(64, s) for s in (6, 5, 4, 3)] if bk == 64 and pingpong else []
-        for ranks in DEFAULT_CLUSTER_SIZES:
-            bn = n // ranks
-            if n % ranks or bn % BOX_COLS or bn > 256 or (m // 64) < 2 * ACTIVE_CLUSTERS[ranks]:
-                continue
-            for step, stages in rings:
-                cfg = WgmmaConfig(bm=64, bn=bn, stages=stages, bk=step, wg_n=1, resident=True, pingpong=True, turns=turns)
-                if not problems(m, n, k, spec, cfg):
-                    return cfg
-        return None
-    # ping-pong: 64-deep steps where three stages fit, else the deepest ring of 32-deep ones, else two of 64
-    deep = [(64, s) for s in (4, 3) if bk == 64] + [(32, s) for s in range(8, 2, -1)] + [(bk, 2)]
+    if turns > 2:  # ping-pong groups only, on up to six 64-deep stages
+        deep = [(64, s) for s in (6, 5, 4, 3) if bk == 64]
+    else:  # ping-pong: 64-deep steps where three stages fit, else the deepest ring of 32-deep ones, else two of 64
+        deep = [(64, s) for s in (4, 3) if bk == 64] + [(32, s) for s in range(8, 2, -1)] + [(bk, 2)]
     for ranks in DEFAULT_CLUSTER_SIZES:
         bn = n // ranks
         if n % ranks or bn % BOX_COLS or bn > MAX_ROW or (m // 64) < 2 * ACTIVE_CLUSTERS[ranks]:
             continue
-        rings = [(1, True, s, b) for b, s in deep if pingpong and bn <= 256] + [(2, False, s, bk) for s in (4, 3)]
-        for wg_n, turns, stages, step in rings:
-            cfg = WgmmaConfig(bm=64, bn=bn, stages=stages, bk=step, wg_n=wg_n, resident=True, pingpong=turns)
+        rings = [(1, True, s, b) for b, s in deep if pingpong and bn <= 256]
+        rings += [(2, False, s, bk) for s in (4, 3)] if turns == 2 else []
+        for wg_n, takes_turns, stages, step in rings:
+            cfg = WgmmaConfig(bm=64, bn=bn, stages=stages, bk=step, wg_n=wg_n, resident=True, pingpong=takes_turns, turns=turns)
             if not problems(m, n, k, spec, cfg):
                 return cfg
     return None

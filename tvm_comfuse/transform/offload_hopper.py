@@ -372,17 +372,25 @@ class HopperOffload:
         self.target = parse_target(target)
         self.build = build
         self.database = database
+        self.tuned_configs = {}  # a task's description (JSON) -> its tuned configuration or None
 
     def tuned(self, task):
         """The fastest tuned configuration of a kernel, or None (no database, no record: the
         untuned default). ``task()`` gives ``(the group's or pair's function, the kernel's
-        Description)`` (:mod:`tvm_comfuse.tune.hopper`), asked for only where there are logs."""
+        Description)`` (:mod:`tvm_comfuse.tune.hopper`), asked for only where there are logs.
+        Looked up once a task: a model's layers share one (each lookup legalises the group into
+        its task module and reads the logs, and would repeat its warnings layer by layer)."""
         if self.database is None:
             return None
         from ..tune import hopper  # pylint: disable=import-outside-toplevel  (tune imports the pipeline)
 
         func, desc = task()
-        return None if func is None else hopper.tuned_config(self.database, hopper.task_module(func, desc))
+        if func is None:
+            return None
+        key = desc.to_json()
+        if key not in self.tuned_configs:
+            self.tuned_configs[key] = hopper.tuned_config(self.database, hopper.task_module(func, desc))
+        return self.tuned_configs[key]
 
     def report_tuned(self, tuned: int, total: int, what: str) -> None:
         """Tell how many of the ``total`` kernels of ``what`` use tuned configurations (a warning
