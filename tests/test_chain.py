@@ -26,8 +26,9 @@ def test_gelu_is_within_a_micro_of_the_exact_gelu_and_keeps_the_graphs_non_finit
     expression on ``llvm`` (IEEE division in place of CUDA's ``rcp.approx``), against GELU in
     float64 with an exact erf: within 1e-6 everywhere on [-12, 12], and relatively within 5e-5
     where |GELU| > 0.01 (a tenth of an fp16 ulp; the legalised formula's ``0.5 + 0.5 erf``
-    cancels to the same order in the negative tail); and the non-finite values TVM's legalised formula ``v * (0.5 + erf(v / sqrt 2) *
-    0.5)`` gives (and PyTorch): ``gelu(inf) = inf``, ``gelu(-inf)`` and ``gelu(NaN)`` NaN."""
+    cancels to the same order in the negative tail); and the non-finite values TVM's legalised
+    formula ``v * (0.5 + erf(v / sqrt 2) * 0.5)`` gives (and PyTorch): ``gelu(inf) = inf``,
+    ``gelu(-inf)`` and ``gelu(NaN)`` NaN."""
     from tvm_comfuse.schedule.chain import gelu  # pylint: disable=import-outside-toplevel
 
     x = np.concatenate([np.linspace(-12, 12, 400001, dtype=np.float32), np.float32([0.0, -0.0, 1e-30, -1e-30, 6e4, -6e4])])

@@ -362,6 +362,6 @@ def tuned_config(db: ms.Database, mod: tvm.IRModule) -> WgmmaConfig | None:
                                   for r in db.get_top_k(db.commit_workload(mod), 1 << 20)):
         LOG.warning("ComFuse: the logs' best %s configuration at M, N, K = %s was never measured against this version's "
                     "untuned default (%s), which may be faster: run `comfuse tune` on these logs again, which measures the "
-                    "default first (session 25's default at wide-short-k was 12%% faster than its shipped best, on an H100)",
+                    "default first (at wide-short-k, session 25's default was 12%% faster than the best then logged, on an H100)",
                     desc.kind, desc.mnk, config_json(default))
     return cfg
