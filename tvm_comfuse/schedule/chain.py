@@ -49,13 +49,6 @@ def approx_reciprocal(x):
     return T.cuda.func_call(_RCP, x, source_code=_RCP_SOURCE, return_type="float32")
 
 
-def _let(name: str, value, body):
-    """``body(var)`` with ``var`` bound to ``value``: CUDA code generation declares it once (a
-    value used twice in a plain expression is printed, and its loads issued, twice)."""
-    var = tirx.Var(name, "float32")
-    return tirx.Let(var, value, body(var))
-
-
 def gelu(v, reciprocal=approx_reciprocal):
     """``gelu`` (erf's) of the fp32 expression ``v``: ``v * Phi(v)``, ``Phi(v) = 1 - h`` for
     ``v >= 0`` and ``h`` below, where ``h = 0.5 erfc(|v| / sqrt 2)`` is :data:`ERF_AS`'s
@@ -76,18 +69,26 @@ def gelu(v, reciprocal=approx_reciprocal):
     on CPU). Non-finite values as the graph's formula gives
     them: ``gelu(inf) = inf``; ``gelu(-inf)`` and ``gelu(NaN)`` are NaN (``-inf * 0``)."""
     coefficients = [T.float32(a * 0.5 ** ((i + 1) / 2)) for i, a in enumerate(ERF_AS)]
+    bindings = []  # values used more than once, as Lets: CUDA codegen declares each once (a value
+    # used twice in a plain expression is printed, and its loads issued, twice)
 
-    def phi(v):
-        z = T.abs(v)
-        p = coefficients[-1]
-        for c in coefficients[-2::-1]:
-            p = p * z + c
-        p = p * z + T.float32(1)
-        return _let("gelu_p2", p * p, lambda p2: _let("gelu_p4", p2 * p2, lambda p4: _let(
-            "gelu_p8", p4 * p4, lambda p8: _let("gelu_h", reciprocal(p8 * p8) * T.float32(0.5), lambda h: v * tirx.Select(
-                v >= T.float32(0), T.float32(1) - h, h)))))
+    def let(name, value):
+        bindings.append((tirx.Var(name, "float32"), value))
+        return bindings[-1][0]
 
-    return _let("gelu_v", v, phi)
+    v = let("gelu_v", v)
+    z = let("gelu_z", T.abs(v))
+    p = coefficients[-1]
+    for c in coefficients[-2::-1]:
+        p = p * z + c
+    p = let("gelu_p", p * z + T.float32(1))
+    for power in (2, 4, 8):
+        p = let(f"gelu_p{power}", p * p)
+    h = let("gelu_h", reciprocal(p * p) * T.float32(0.5))
+    body = v * tirx.Select(v >= T.float32(0), T.float32(1) - h, h)
+    for var, value in reversed(bindings):
+        body = tirx.Let(var, value, body)
+    return body
 
 
 def activation(v, name: str):
