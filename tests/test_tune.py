@@ -17,8 +17,8 @@ import tvm_ffi
 
 from tvm_comfuse import runtime, workloads
 from tvm_comfuse.cli.main import main
-from tvm_comfuse.tune import WorkDir, applied_from_database, load_workload
-from tvm_comfuse.tune.logs import RECORD_FILE, WORKLOAD_FILE
+from tvm_comfuse.tune import WorkDir, applied_from_database, load_workload, report
+from tvm_comfuse.tune.logs import FAILED_SECS, RECORD_FILE, WORKLOAD_FILE
 
 TARGET = '{"kind": "llvm", "num-cores": 2}'
 
@@ -64,6 +64,7 @@ def test_compile_from_logs_matches_vanilla(tuned):
     work, _ = tuned
     _, mod = load_workload("tiny-postnorm")
     assert applied_from_database(mod, "llvm", str(work)) == (1, 1)
+    _check_curves(work, [r.decode() for r in _records(work)])
     args = workloads.random_inputs(mod, seed=1)
     dev = tvm.cpu()
     outs = []
@@ -106,6 +107,18 @@ def test_vanilla_metaschedule_contender_tunes_and_matches_the_reference(tmp_path
     np.testing.assert_allclose(out, ref, atol=1e-4, rtol=1e-4)
     records = (tmp_path / RECORD_FILE).read_text().splitlines()
     assert 1 <= len(records) <= 2 * 3  # at most 2 trials for each of vanilla's (at most 3) tasks
+    _check_curves(tmp_path, records)
+
+
+def _check_curves(work, records):
+    """``report.best_so_far`` (notebook 04's curves): one non-increasing curve per task, a point
+    per record, each curve ending at its task's fastest record."""
+    curves = report.best_so_far(str(work))
+    assert sum(len(c) for c in curves.values()) == len(records)
+    assert all(all(b <= a for a, b in zip(c, c[1:])) for c in curves.values())
+    us = lambda secs: sum(secs) / len(secs) * 1e6 if max(secs) < FAILED_SECS else float("inf")  # noqa: E731
+    fastest = sorted(min(us(r[1][1]) for r in map(json.loads, records) if r[0] == i) for i in {json.loads(r)[0] for r in records})
+    assert sorted(c[-1] for c in curves.values()) == pytest.approx(fastest)
 
 
 def test_compile_says_how_many_kernels_are_tuned(tuned, caplog):

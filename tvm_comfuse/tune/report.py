@@ -21,7 +21,7 @@ import tvm_ffi
 from tvm import s_tir
 from tvm.s_tir import meta_schedule as ms
 
-from ..pipeline import load_database
+from ..pipeline import load_database, register_tensor_intrinsics
 from ..schedule import GemmRowTile
 from ..target import parse_target
 from . import hopper
@@ -76,6 +76,36 @@ def decode(work_dir: str) -> dict:
         task["default_over_best"] = round(at_default / best, 3) if best and at_default else None
     return {"workload": os.path.basename(os.path.normpath(work_dir)), "target": str(target.attrs.get("arch", "")),
             "tasks": list(tasks.values())}
+
+
+def best_so_far(work_dir: str) -> dict:
+    """``{task: [best us after trial 1, 2, ...]}`` for any MetaSchedule log directory:
+    ``comfuse tune``'s, or the vanilla MetaSchedule logs ``comfuse bench --vanilla-logs`` keeps
+    (notebook 04 plots both against trials); inf until a trial of the task ran. MetaSchedule keeps
+    no task name, so a task is named by its kernel (the Hopper kernels: ``wgmma_postnorm``, ...)
+    or by its PrimFunc's blocks (``T_layer_norm``, ``matmul+T_add+T_add``)."""
+    register_tensor_intrinsics(os.path.join(work_dir, RECORD_FILE))  # the traces name them
+    curves, names = {}, {}
+    for rec in _in_measured_order(work_dir):
+        key = tvm_ffi.structural_hash(rec.workload.mod)
+        if key not in names:
+            names[key] = _task_name(rec.workload.mod, names.values())
+        secs = [float(s) for s in rec.run_secs or []]
+        us = sum(secs) / len(secs) * 1e6 if secs and max(secs) < FAILED_SECS else float("inf")
+        curve = curves.setdefault(names[key], [])
+        curve.append(min(us, curve[-1]) if curve else us)
+    return curves
+
+
+def _task_name(mod, taken) -> str:
+    desc = hopper.description_of(mod)
+    if desc is not None:
+        name = desc.kind
+    else:
+        sch = s_tir.Schedule(mod)
+        name = "+".join(sch.get(b).name_hint for b in sch.get_child_blocks(sch.get_sblock("root")))
+    taken = list(taken)
+    return name if name not in taken else f"{name} ({sum(t.startswith(name) for t in taken) + 1})"
 
 
 def main(argv=None) -> int:
