@@ -44,8 +44,12 @@ _RCP_SOURCE = (f"__device__ __forceinline__ float {_RCP}(float x) {{\n"
 
 
 def approx_reciprocal(x):
-    """``1 / x`` by one MUFU.RCP (``rcp.approx.ftz``: 1 ulp), not IEEE division's ~7
-    instructions and slow-path branch."""
+    """``1 / x`` by one MUFU.RCP (``rcp.approx.ftz``: 1 ulp) whatever the build's flags. TVM
+    compiles CUDA with ``--use_fast_math``, where a float division is ``div.approx`` (in SASS
+    the same MUFU.RCP and an FMUL); without it (``TVM_CUDA_NVCC_NO_FAST_MATH``, or an nvrtc
+    option undoing it) it would be IEEE division: ~7 instructions and a slow-path branch a value.
+    (Session 28: for the same reason TVM's own ``silu``, ``v * sigmoid(v)``, is already five
+    instructions a value, ``__expf`` and a reciprocal, and is left as TVM legalises it.)"""
     return T.cuda.func_call(_RCP, x, source_code=_RCP_SOURCE, return_type="float32")
 
 
