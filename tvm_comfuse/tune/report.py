@@ -98,6 +98,7 @@ def best_so_far(work_dir: str) -> dict:
 
 
 def _task_name(mod, taken) -> str:
+    """A task's name for :func:`best_so_far`, numbered where two tasks would share one."""
     desc = hopper.description_of(mod)
     if desc is not None:
         name = desc.kind
