@@ -41,6 +41,12 @@ def _in_measured_order(work_dir: str):
                 yield ms.database.TuningRecord.from_json(record, workloads[index])
 
 
+def _mean_us(rec) -> float | None:
+    """A record's mean measured time in us, or None for a failed build or run."""
+    secs = [float(s) for s in rec.run_secs or []]
+    return sum(secs) / len(secs) * 1e6 if secs and max(secs) < FAILED_SECS else None
+
+
 def decode(work_dir: str) -> dict:
     """``{"workload", "target", "tasks": [{"kind", "default", "records": [{"us", "trial",
     "config"}], "best_trial", "default_over_best"}]}`` for one work dir: a task per tuned kernel
@@ -63,8 +69,8 @@ def decode(work_dir: str) -> dict:
                           "default": dataclasses.asdict(default) if default else None, "records": []}
         # the Hopper kernel's records name their configuration; the rule's are matched by schedule
         match = hopper.config_of(rec.trace, desc.family) if desc is not None else config_of(rec.trace, func, target, spaces[key])
-        secs = [float(s) for s in rec.run_secs or []]
-        us = round(sum(secs) / len(secs) * 1e6, 2) if secs and max(secs) < FAILED_SECS else None
+        us = _mean_us(rec)
+        us = round(us, 2) if us is not None else None
         rows = tasks[key]["records"]
         rows.append({"us": us, "trial": len(rows) + 1, "config": dataclasses.asdict(match) if match else None})
     for task in tasks.values():
@@ -90,8 +96,8 @@ def best_so_far(work_dir: str) -> dict:
         key = tvm_ffi.structural_hash(rec.workload.mod)
         if key not in names:
             names[key] = _task_name(rec.workload.mod, names.values())
-        secs = [float(s) for s in rec.run_secs or []]
-        us = sum(secs) / len(secs) * 1e6 if secs and max(secs) < FAILED_SECS else float("inf")
+        us = _mean_us(rec)
+        us = us if us is not None else float("inf")
         curve = curves.setdefault(names[key], [])
         curve.append(min(us, curve[-1]) if curve else us)
     return curves
