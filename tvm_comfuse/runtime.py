@@ -36,8 +36,16 @@ def compile_vanilla_tuned(mod: tvm.IRModule, target, trials_per_task: int, work_
     contender of ``comfuse bench``, given the trial budget per task ComFuse's tuning gets.
 
     ``work_dir`` receives MetaSchedule's logs. The tasks are vanilla fusion's PrimFuncs, so the
-    GEMM and its normalisation are tuned as separate kernels, as TVM users get them today."""
+    GEMM and its normalisation are tuned as separate kernels, as TVM users get them today.
+
+    The builder is TVM's own (stock build function) with ComFuse's build timeout, 120 s, not
+    LocalBuilder's default 30 s: a CUDA candidate takes ~7 s of nvcc alone, and sixteen in
+    parallel on the GPU machine's sixteen cores took ~40 s each, so at 30 s every LayerNorm
+    candidate of session 27's run was recorded as a build error. Both contenders get the same
+    time to build."""
     from tvm.s_tir import meta_schedule as ms  # pylint: disable=import-outside-toplevel
+
+    from .tune.measure import BUILD_TIMEOUT_S  # pylint: disable=import-outside-toplevel
 
     target = tuning_target(target)
     if "cuda" in target.kind.name:  # the stock tensor-core rules need TVM's CUDA intrinsics registered
@@ -48,6 +56,7 @@ def compile_vanilla_tuned(mod: tvm.IRModule, target, trials_per_task: int, work_
     database = ms.relax_integration.tune_relax(
         fused, params={}, target=target, work_dir=work_dir, max_trials_global=trials_per_task * max(len(tasks), 1),
         max_trials_per_task=trials_per_task, num_trials_per_iter=min(64, trials_per_task),
+        builder=ms.builder.LocalBuilder(timeout_sec=BUILD_TIMEOUT_S),
     )
     return ms.relax_integration.compile_relax(database, mod, target, params=None)
 

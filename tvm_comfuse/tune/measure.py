@@ -64,9 +64,14 @@ def build_module(mod: tvm.IRModule, target: tvm.target.Target, _params=None) -> 
         return tvm.tirx.build(mod, target=target, pipeline=TIR_PIPELINE)
 
 
+#: Seconds a candidate may take to build (LocalBuilder's default is 30: too short for nvcc on a
+#: loaded machine, see :func:`worker_pool`); the vanilla MetaSchedule contender gets the same.
+BUILD_TIMEOUT_S = 120.0
+
+
 def worker_pool(workers: int | None = None) -> ms.builder.Builder:
     """MetaSchedule's LocalBuilder with :func:`build_module`: a fresh pool of worker processes per batch."""
-    return ms.builder.LocalBuilder(max_workers=workers, timeout_sec=120.0, f_build=build_module)
+    return ms.builder.LocalBuilder(max_workers=workers, timeout_sec=BUILD_TIMEOUT_S, f_build=build_module)
 
 
 @derived_object
