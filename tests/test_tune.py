@@ -95,12 +95,20 @@ def test_compacted_logs_hold_the_same_records_and_keep_growing(tuned, tmp_path, 
     assert "error" in capsys.readouterr().err and _digest(work) == digest
 
 
-def test_vanilla_metaschedule_contender_tunes_and_matches_the_reference(tmp_path):
+def test_vanilla_metaschedule_contender_tunes_and_matches_the_reference(tmp_path, monkeypatch):
     """The bench's vanilla-MetaSchedule contender: stock rules tune vanilla fusion's tasks within
-    the budget, write MetaSchedule's logs, and the build from them computes the post-norm."""
+    the budget, with ComFuse's build timeout, write MetaSchedule's logs, and the build from them
+    computes the post-norm."""
+    from tvm.s_tir import meta_schedule as ms  # pylint: disable=import-outside-toplevel
+
+    from tvm_comfuse.tune.measure import BUILD_TIMEOUT_S  # pylint: disable=import-outside-toplevel
+
+    builders, tune_relax = [], ms.relax_integration.tune_relax
+    monkeypatch.setattr(ms.relax_integration, "tune_relax", lambda *a, **kw: builders.append(kw.get("builder")) or tune_relax(*a, **kw))
     mod = workloads.post_norm(24, 16, 40, "float32", "layer_norm", linear=True)
     args = workloads.random_inputs(mod, seed=2)
     ex = runtime.compile_vanilla_tuned(mod, "llvm", trials_per_task=2, work_dir=str(tmp_path))
+    assert [type(b).__name__ for b in builders] == ["LocalBuilder"] and builders[0].timeout_sec == BUILD_TIMEOUT_S
     dev = tvm.cpu()
     (out,) = runtime.run(ex, runtime.to_device(args, runtime.param_dtypes(mod), dev), dev)
     (ref,) = workloads.post_norm_reference(args, "layer_norm", linear=True)

@@ -39,10 +39,10 @@ def compile_vanilla_tuned(mod: tvm.IRModule, target, trials_per_task: int, work_
     GEMM and its normalisation are tuned as separate kernels, as TVM users get them today.
 
     The builder is TVM's own (stock build function) with ComFuse's build timeout, 120 s, not
-    LocalBuilder's default 30 s: a CUDA candidate takes ~7 s of nvcc alone, and sixteen in
-    parallel on the GPU machine's sixteen cores took ~40 s each, so at 30 s every LayerNorm
-    candidate of session 27's run was recorded as a build error. Both contenders get the same
-    time to build."""
+    LocalBuilder's default 30 s, so both contenders get the same time to build. With 30 s,
+    session 27's run on the GPU machine recorded all 64 LayerNorm candidates as build errors,
+    each batch of sixteen ending after ~40 s (the timeout, then a fresh pool): most likely
+    timeouts. With 120 s, session 29's built all 64, in 8-18 s a batch."""
     from tvm.s_tir import meta_schedule as ms  # pylint: disable=import-outside-toplevel
 
     from .tune.measure import BUILD_TIMEOUT_S  # pylint: disable=import-outside-toplevel

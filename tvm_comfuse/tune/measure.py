@@ -65,7 +65,7 @@ def build_module(mod: tvm.IRModule, target: tvm.target.Target, _params=None) -> 
 
 
 #: Seconds a candidate may take to build (LocalBuilder's default is 30: too short for nvcc on a
-#: loaded machine, see :func:`worker_pool`); the vanilla MetaSchedule contender gets the same.
+#: loaded machine, see :class:`InProcessBuilder`); the vanilla MetaSchedule contender gets the same.
 BUILD_TIMEOUT_S = 120.0
 
 
