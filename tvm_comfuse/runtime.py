@@ -38,11 +38,10 @@ def compile_vanilla_tuned(mod: tvm.IRModule, target, trials_per_task: int, work_
     ``work_dir`` receives MetaSchedule's logs. The tasks are vanilla fusion's PrimFuncs, so the
     GEMM and its normalisation are tuned as separate kernels, as TVM users get them today.
 
-    The builder is TVM's own (stock build function) with ComFuse's build timeout, 120 s, not
-    LocalBuilder's default 30 s, so both contenders get the same time to build. With 30 s,
-    session 27's run on the GPU machine recorded all 64 LayerNorm candidates as build errors,
-    each batch of sixteen ending after ~40 s (the timeout, then a fresh pool): most likely
-    timeouts. With 120 s, session 29's built all 64, in 8-18 s a batch."""
+    The builder is TVM's own (stock build function) with ComFuse's build timeout,
+    :data:`~tvm_comfuse.tune.measure.BUILD_TIMEOUT_S`, so both contenders get the same time to
+    build; at LocalBuilder's default 30 s, the GPU machine's batches of sixteen nvcc builds
+    most likely timed out (session 27: every LayerNorm candidate failed; NOTES, session 29)."""
     from tvm.s_tir import meta_schedule as ms  # pylint: disable=import-outside-toplevel
 
     from .tune.measure import BUILD_TIMEOUT_S  # pylint: disable=import-outside-toplevel
