@@ -149,6 +149,20 @@ def test_logs_that_never_measured_the_default_apply_with_a_warning(tmp_path, mon
         assert ("never measured against this version's untuned default" in caplog.text) == warned
 
 
+def test_a_task_whose_runs_all_failed_compiles_its_default(tmp_path, monkeypatch):
+    """Records of failed runs (1e9 s, ComFuse's mark; 1e10 s, MetaSchedule's) are ranked like
+    any other, so where every run failed the fastest record is a failure: not a configuration to
+    apply. Session 30's H100 tuning of bert-base failed every run of V's task (its task module
+    then kept the group's output shape), and the compile applied the first of them as tuned."""
+    mod = workloads.post_norm(8192, 768, 768, "float16", "layer_norm", linear=True)
+    task = _task()
+    desc = hopper.description_of(task.mod)
+    space = configs(*desc.mnk, desc.spec)
+    logs = _logs(tmp_path, task, [(space[3], 1e9), (space[7], 1e10)])
+    assert _spied_configs(monkeypatch, mod, logs) == [None]
+    assert applied_from_database(mod, H100, logs) == (0, 1)
+
+
 def test_an_unusable_record_falls_back_to_the_default(tmp_path, monkeypatch, caplog):
     """A record whose configuration the kernel cannot run for this shape (a hand-edited or
     foreign log) is not applied: the default is, with a warning naming why."""
@@ -342,6 +356,29 @@ def test_an_elementwise_candidate_builds_with_the_workload_signature():
     last = ctx.generate_design_space()[-1]
     (result,) = worker_pool(workers=1).build([ms.builder.BuilderInput(last.mod, target)])
     assert result.error_msg is None and os.path.isfile(result.artifact_path)
+
+
+@pytest.mark.parametrize("half", [False, True], ids=["mixed-import", "fp16-import"])
+def test_every_task_takes_its_kernel_s_arguments(half):
+    """MetaSchedule's runner calls a candidate with arrays shaped as its task module's
+    parameters, so those must be the kernel's: for every Hopper task of a BERT layer (post-norm,
+    GEMM + elementwise; the projections written in attention's head layouts, in the mixed import
+    cast to fp16 as well), of an MLP's back-to-back pair and of a split post-norm's GEMM. Session 30's H100
+    tuning of bert-base failed all 64 runs of V's task, whose module kept the group's own
+    ``[B, S, H * D]`` output where the kernel writes ``[B * H, D, S]``."""
+    target = tvm.target.Target(H100)
+    layer = workloads.bert_encoder(layers=1, hidden=128, heads=2, batch=2, seq=128, dtype="float16", half=half)[0]
+    split = workloads.post_norm(4096, 4096, 1024, "float16", "layer_norm", linear=True)  # K >= 4096: the split's GEMM
+    tasks = [t for m, groups in ((layer, ALL), (_mlp(), B2B), (split, ALL)) for t in extract_tasks(m, target, hopper_groups=groups)]
+    families, tails = set(), 0
+    for task in tasks:
+        desc = hopper.description_of(task.mod)
+        args = [a.as_json() for a in ArgInfo.from_prim_func(task.mod["main"])]
+        assert args == [a.as_json() for a in ArgInfo.from_prim_func(desc.kernel())], task.name
+        families.add(desc.family)
+        tails += desc.family == "elementwise" and args[-1][2] != [*desc.lead, desc.mnk[1]]
+    assert families == {"postnorm", "split", "elementwise", "b2b"}
+    assert tails >= 1  # a task whose kernel writes a layout of its own
 
 
 def test_compile_uses_the_fastest_elementwise_record(tmp_path, monkeypatch, caplog):

@@ -95,7 +95,7 @@ def hopper_tasks(mod: tvm.IRModule, target: tvm.target.Target, hopper_groups=Non
     if "elementwise" in groups:
         for gv, func, spec, roles, mnk, out_shape, _ in planned_groups(seen):
             desc = hopper.describe_elementwise(spec, roles, mnk, out_shape)
-            add(gv.name_hint, desc.kind, hopper.workload(func, desc))
+            add(gv.name_hint, desc.kind, hopper.task_module(func, desc))
     return list(tasks.values())
 
 
