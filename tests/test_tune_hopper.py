@@ -363,9 +363,9 @@ def test_every_task_takes_its_kernel_s_arguments(half):
     """MetaSchedule's runner calls a candidate with arrays shaped as its task module's
     parameters, so those must be the kernel's: for every Hopper task of a BERT layer (post-norm,
     GEMM + elementwise; the projections written in attention's head layouts, in the mixed import
-    cast to fp16 as well), of an MLP's back-to-back pair and of a split post-norm's GEMM. Session 30's H100
-    tuning of bert-base failed all 64 runs of V's task, whose module kept the group's own
-    ``[B, S, H * D]`` output where the kernel writes ``[B * H, D, S]``."""
+    cast to fp16 as well), of an MLP's back-to-back pair and of a split post-norm's GEMM.
+    Session 30's H100 tuning of bert-base failed all 64 runs of V's task, whose module kept the
+    group's own ``[B, S, H * D]`` output where the kernel writes ``[B * H, D, S]``."""
     target = tvm.target.Target(H100)
     layer = workloads.bert_encoder(layers=1, hidden=128, heads=2, batch=2, seq=128, dtype="float16", half=half)[0]
     split = workloads.post_norm(4096, 4096, 1024, "float16", "layer_norm", linear=True)  # K >= 4096: the split's GEMM

@@ -10,7 +10,9 @@ one a task:
 
 - **Workload**: the group's own PrimFunc, what LegalizeOps and FuseTIR make of the outlined
   post-norm function (the computation, with the group's parameter order), tagged with the
-  kernel's description (:data:`KERNEL_ATTR`: the chain, M/N/K, which parameter is which).
+  kernel's description (:data:`KERNEL_ATTR`: the chain, M/N/K, which parameter is which); a
+  GEMM + elementwise group's followed by the layout and cast its kernel writes
+  (:func:`with_tail`), so the workload's parameters are the kernel's.
   :class:`~tvm_comfuse.transform.OffloadHopperPostNorm` derives the same module at compile time,
   so a record tuned here is found there.
 - **Space**: one schedule per configuration of :func:`~tvm_comfuse.schedule.wgmma_space.configs`
