@@ -85,12 +85,18 @@ def tiles(m: int, n: int, cfg: WgmmaConfig) -> int:
     return -(-m // cfg.bm) * (n // cfg.bn)
 
 
+def one_wave(m: int, n: int, cfg: WgmmaConfig) -> bool:
+    """Whether configuration ``cfg`` has every CTA resident at once, one tile each, as the row
+    tiles' barriers need (the part of :func:`problems` that depends on the configuration)."""
+    return not (cfg.persistent or cfg.pingpong) and tiles(m, n, cfg) <= SM_COUNT
+
+
 def problems(m: int, n: int, cfg: WgmmaConfig, spec: PostNorm, sum_dtype: str) -> list:
     """What keeps the kernel from normalising ``spec``'s rows in the GEMM kernel of configuration
     ``cfg`` (empty if nothing), beyond what keeps the split's GEMM (:func:`.split_norm.problems`)."""
     ctas = tiles(m, n, cfg)
     found = []
-    if cfg.persistent or cfg.pingpong or ctas > SM_COUNT:
+    if not one_wave(m, n, cfg):
         found.append(f"{ctas} tiles of {cfg.bm} x {cfg.bn}{' on persistent CTAs' if cfg.persistent or cfg.pingpong else ''} "
                      f"(one tile a CTA, at most {SM_COUNT}: every CTA resident at once)")
     if spec.norm_out or spec.sum_out:
