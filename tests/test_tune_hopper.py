@@ -190,8 +190,10 @@ def test_an_unusable_record_falls_back_to_the_default(tmp_path, monkeypatch, cap
     assert "unusable" in caplog.text and "shared memory" in caplog.text
     # and where a usable record follows it, that one applies, without a warning
     (tmp_path / "two").mkdir()
-    space = configs(*hopper.description_of(_task().mod).mnk, hopper.description_of(_task().mod).spec)
-    logs = _logs(tmp_path / "two", _task(), [(WgmmaConfig(64, 384, 9, 64, 2), 1e-6), (space[7], 2e-5), (space[0], 3e-5)])
+    task = _task()
+    desc = hopper.description_of(task.mod)
+    space = configs(*desc.mnk, desc.spec)
+    logs = _logs(tmp_path / "two", task, [(WgmmaConfig(64, 384, 9, 64, 2), 1e-6), (space[7], 2e-5), (space[0], 3e-5)])
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="tvm_comfuse"):
         assert _spied_configs(monkeypatch, mod, logs) == [space[7]]

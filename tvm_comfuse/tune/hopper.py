@@ -49,7 +49,7 @@ from ..schedule import wgmma_postnorm as wp
 from ..schedule.chain import Step
 from ..schedule.wgmma_mainloop import WgmmaConfig
 from ..schedule.wgmma_space import b2b_configs, configs, elementwise_configs
-from .logs import FAILED_SECS
+from .logs import FAILED_SECS, mean_secs
 
 LOG = logging.getLogger("tvm_comfuse")
 #: Task kind of the post-norm kernel, and the PrimFunc attribute holding a kernel's description (JSON).
@@ -413,12 +413,6 @@ def build_candidate(mod: tvm.IRModule, _target=None, _params=None) -> tvm.runtim
 MIN_GAIN = 0.03
 
 
-def _secs(record) -> float:
-    """A record's time as MetaSchedule ranks it (the mean of its runs; a failed one FAILED_SECS)."""
-    secs = [float(s) for s in record.run_secs or []]
-    return sum(secs) / len(secs) if secs and max(secs) < FAILED_SECS else FAILED_SECS
-
-
 def tuned_config(db: ms.Database, mod: tvm.IRModule) -> WgmmaConfig | None:
     """The configuration the logs in ``db`` choose for the task module ``mod``, or None where
     they have no usable record: the fastest record whose configuration the kernel can run here
@@ -430,22 +424,23 @@ def tuned_config(db: ms.Database, mod: tvm.IRModule) -> WgmmaConfig | None:
         return None
     # a failed run's record (FAILED_SECS) is one MetaSchedule ranks like any other, first where
     # every run failed (session 30: V's task at bert-base): never a configuration to apply
-    records = [r for r in db.get_top_k(db.commit_workload(mod), 1 << 20) if _secs(r) < FAILED_SECS]
     desc = description_of(mod)
-    measured = [(config_of(r.trace, desc.family), _secs(r)) for r in records]
-    usable = [(cfg, secs) for cfg, secs in measured if cfg is not None and not desc.problems(cfg)]
-    if not usable:
+    measured = [(config_of(r.trace, desc.family), mean_secs(r.run_secs)) for r in db.get_top_k(db.commit_workload(mod), 1 << 20)]
+    measured = [(cfg, secs) for cfg, secs in measured if secs < FAILED_SECS]
+    # the fastest usable one (its problems checked in rank order, not every record's)
+    best = next(((cfg, secs) for cfg, secs in measured if cfg is not None and not desc.problems(cfg)), None)
+    if best is None:
         if measured:
             cfg = measured[0][0]
             why = ["no configuration annotated, or one this version no longer builds"] if cfg is None else desc.problems(cfg)
             LOG.warning("ComFuse: every tuning record for the %s kernel at M, N, K = %s is unusable (the fastest: %s); using the default",
                         desc.kind, desc.mnk, "; ".join(why))
         return None
-    cfg, secs = usable[0]
+    cfg, secs = best
     default = desc.configs()[0]
     if cfg == default:
         return cfg
-    defaults = [s for c, s in usable if c == default]
+    defaults = [s for c, s in measured if c == default]
     if not defaults:
         LOG.warning("ComFuse: the logs' best %s configuration at M, N, K = %s was never measured against this version's "
                     "untuned default (%s), which may be faster: run `comfuse tune` on these logs again, which measures the "

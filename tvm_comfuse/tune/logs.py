@@ -30,6 +30,13 @@ META_FILE = "comfuse_meta.json"
 FAILED_SECS = 1e9
 
 
+def mean_secs(run_secs) -> float:
+    """A record's time as MetaSchedule ranks records, the mean of its runs; FAILED_SECS for a
+    failed build or run (no runs, or one at FAILED_SECS or more: MetaSchedule's own mark is 1e10)."""
+    secs = [float(s) for s in run_secs or []]
+    return sum(secs) / len(secs) if secs and max(secs) < FAILED_SECS else FAILED_SECS
+
+
 def target_name(target: tvm.target.Target) -> str:
     """A directory name for ``target``: its tag, else kind and arch/mcpu (``cuda-sm_90``, ``llvm``)."""
     tag = str(target.attrs.get("tag", "") or getattr(target, "tag", "") or "")

@@ -25,7 +25,7 @@ from ..pipeline import load_database, register_tensor_intrinsics
 from ..schedule import GemmRowTile
 from ..target import parse_target
 from . import hopper
-from .logs import FAILED_SECS, META_FILE, RECORD_FILE, WORKLOAD_FILE
+from .logs import FAILED_SECS, META_FILE, RECORD_FILE, WORKLOAD_FILE, mean_secs
 from .representative import config_of
 
 
@@ -43,8 +43,8 @@ def _in_measured_order(work_dir: str):
 
 def _mean_us(rec) -> float | None:
     """A record's mean measured time in us, or None for a failed build or run."""
-    secs = [float(s) for s in rec.run_secs or []]
-    return sum(secs) / len(secs) * 1e6 if secs and max(secs) < FAILED_SECS else None
+    secs = mean_secs(rec.run_secs)
+    return secs * 1e6 if secs < FAILED_SECS else None
 
 
 def decode(work_dir: str) -> dict:
