@@ -46,7 +46,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from .wgmma_mainloop import CONSUMER_BARRIER, WgmmaConfig, fragment
-from .wgmma_postnorm import SM_COUNT, PostNorm
+from .wgmma_postnorm import ACTIVE_CLUSTERS, SM_COUNT, PostNorm
 
 #: How long a CTA waits at the row tile's barrier before it traps (ns): far beyond any wait of a
 #: resident row tile (a few us), short enough to turn a grid that cannot be resident into an error.
@@ -81,14 +81,18 @@ __forceinline__ __device__ float {_LOAD}(const float* p) {{
 
 
 def tiles(m: int, n: int, cfg: WgmmaConfig) -> int:
-    """The CTAs of the kernel's grid: one a ``bm x bn`` tile (the last row tile may be partial)."""
-    return -(-m // cfg.bm) * (n // cfg.bn)
+    """The CTAs of the kernel's grid: ``split_k`` a ``bm x bn`` tile (the last row tile may be partial)."""
+    return -(-m // cfg.bm) * (n // cfg.bn) * cfg.split_k
 
 
 def one_wave(m: int, n: int, cfg: WgmmaConfig) -> bool:
     """Whether configuration ``cfg`` has every CTA resident at once, one tile each, as the row
-    tiles' barriers need (the part of :func:`problems` that depends on the configuration)."""
-    return not (cfg.persistent or cfg.pingpong) and tiles(m, n, cfg) <= SM_COUNT
+    tiles' barriers need (the part of :func:`problems` that depends on the configuration):
+    at most an SM's worth of CTAs, and with split-K clusters at most as many clusters as the
+    GPU runs at once (:data:`~.wgmma_postnorm.ACTIVE_CLUSTERS`)."""
+    clusters = tiles(m, n, cfg) // cfg.split_k
+    return (not (cfg.persistent or cfg.pingpong) and tiles(m, n, cfg) <= SM_COUNT
+            and (cfg.split_k == 1 or clusters <= ACTIVE_CLUSTERS.get(cfg.split_k, 0)))
 
 
 def problems(m: int, n: int, cfg: WgmmaConfig, spec: PostNorm, sum_dtype: str) -> list:
@@ -97,8 +101,9 @@ def problems(m: int, n: int, cfg: WgmmaConfig, spec: PostNorm, sum_dtype: str) -
     ctas = tiles(m, n, cfg)
     found = []
     if not one_wave(m, n, cfg):
-        found.append(f"{ctas} tiles of {cfg.bm} x {cfg.bn}{' on persistent CTAs' if cfg.persistent or cfg.pingpong else ''} "
-                     f"(one tile a CTA, at most {SM_COUNT}: every CTA resident at once)")
+        found.append(f"{ctas} CTAs of {cfg.bm} x {cfg.bn} tiles{' on persistent CTAs' if cfg.persistent or cfg.pingpong else ''}"
+                     f"{f' in clusters of {cfg.split_k}' if cfg.split_k > 1 else ''} (one tile a CTA, at most {SM_COUNT}, "
+                     f"clusters at most {ACTIVE_CLUSTERS}: every CTA resident at once)")
     if spec.norm_out or spec.sum_out:
         found.append("a second output (the float32 norm or the sum): the norm is written once, in place of the sum")
     if sum_dtype != spec.out_dtype:

@@ -183,7 +183,42 @@ def problems(m: int, n: int, k: int, spec: Elementwise, cfg: WgmmaConfig | None 
         found.append(f"group_rows = {cfg.group_rows} with one tile a CTA (a persistent walk's groups)")
     if persistent(cfg) and (cfg.producer_warps or cfg.ctas_per_sm != 1):
         found.append("persistent CTAs with producer warps or two CTAs an SM (persistent CTAs are one an SM, with a producer warpgroup)")
+    if cfg.split_k > 1 and cfg.stage_tiles:
+        found.append("split_k with stage_tiles (the partials cross the cluster through the ring, where the output is then staged)")
     return found + cfg.problems(_padded(m, cfg.bm), n, k, spec.dtype)
+
+
+def gather_split(cfg: WgmmaConfig):
+    """The tirx macro ``gather(S, acc, cw, tw, rank)`` of a split-K kernel (``cfg.split_k`` CTAs of
+    a cluster, each a part of K): once every consumer warpgroup's mainloop is done (the ring is
+    free), ranks 1.. write their fp32 partials (thread ``tw`` of consumer warpgroup ``cw``: its
+    ``acc``) into their ring, ``[cw, register, thread]`` (conflict-free), and rank 0 adds them to its
+    own ``acc`` in rank order (deterministic), reading its peers' shared memory (``mapa`` +
+    ``ld.shared::cluster``) between two cluster barriers: the first makes the partials visible, the
+    second keeps a peer from leaving while rank 0 reads it. Then only rank 0 goes on to the
+    epilogue. Why not through global memory (CUTLASS's serial split-K): the partials never leave
+    the chip, and no CTA waits for one that is not resident (a cluster is co-scheduled)."""
+    acc_n, ranks = cfg.wg_cols // 2, cfg.split_k
+
+    # pylint: disable=invalid-name
+    @T.macro
+    def gather(S, acc, cw, tw, rank):
+        part = T.decl_buffer([cfg.consumers, acc_n, 128], "float32", data=S.data, scope="shared.dyn")
+        peer = T.alloc_local([1], "uint32")
+        got = T.alloc_local([1], "float32")
+        if rank > 0:
+            for i in T.unroll(acc_n):
+                part[cw, i, tw] = acc[i]
+        T.cuda.cluster_sync()  # the partials are written (release / acquire)
+        if rank == 0:
+            for q in T.unroll(1, ranks):
+                for i in T.unroll(acc_n):
+                    T.ptx["mapa.shared::cluster.u32"](peer[0], T.cuda.cvta_generic_to_shared(part.ptr_to([cw, i, tw])), T.uint32(q))
+                    T.ptx["ld.shared::cluster.f32"](got[0], peer[0])
+                    acc[i] = acc[i] + got[0]
+        T.cuda.cluster_sync()  # rank 0 has read them: its peers may leave
+
+    return gather
 
 
 def default_config(m: int, n: int, k: int, spec: Elementwise = Elementwise()) -> WgmmaConfig | None:
@@ -435,7 +470,9 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
         if kk == min(cfg.tile_step, k // cfg.bk - 1):
             load_tile(extra[0], extra[1], extra[2], extra[3], extra[4], extra[5], extra[6])
 
-    produce, consume = mainloop(cfg, k, spec.dtype, during if tile_in is not None and cfg.tile_step > 0 else None)
+    ks = k // cfg.split_k  # each split-K CTA's part of K
+    produce, consume = mainloop(cfg, ks, spec.dtype, during if tile_in is not None and cfg.tile_step > 0 else None)
+    gather = gather_split(cfg)
     init = Ring(cfg.stages, cfg.slot_readers).init()
     producer, consumer = roles(cfg)
     maps = {"x": tensor_map(m, k, box_rows(bm), cfg.bk, spec.dtype), "w": tensor_map(n, k, box_rows(bn), cfg.bk, spec.dtype)}
@@ -491,10 +528,19 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
     def body(x_map, w_map, out_map, P, out, stats, tile_map, gamma, beta, flags):
         if cfg.ctas_per_sm > 1:  # __launch_bounds__(threads, ctas_per_sm)
             T.attr({"tirx.launch_bounds_min_blocks_per_sm": cfg.ctas_per_sm})
-        if norm is not None:  # a row tile's CTAs consecutive in the grid (they wait for each other)
+        if cfg.split_k > 1:  # a cluster of split_k CTAs a tile, the tiles numbered as below
+            tile = T.cluster_id([_padded(m, bm) // bm * (n // bn)])
+            rank = T.cta_id_in_cluster([cfg.split_k])
+            if norm is not None:
+                bx, by = T.meta_var((tile // (n // bn), tile % (n // bn)))
+            else:
+                bx, by = T.meta_var((tile % (_padded(m, bm) // bm), tile // (_padded(m, bm) // bm)))
+        elif norm is not None:  # a row tile's CTAs consecutive in the grid (they wait for each other)
             by, bx = T.cta_id([n // bn, _padded(m, bm) // bm])
+            rank = 0
         else:
             bx, by = T.cta_id([_padded(m, bm) // bm, n // bn])
+            rank = 0
         if cfg.producer_warps > 0:  # producer warps after the consumers: role 0 all the same, its threads 0, 1, ...
             warp = T.warp_id([cfg.threads // 32])
             lane = T.lane_id([32])
@@ -523,7 +569,7 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
         if wg == 0:
             producer()
             if tw == 0:
-                produce(x_map, w_map, S, S, full, empty, bx * bm, by * bn, 0)
+                produce(x_map, w_map, S, S, full, empty, bx * bm, by * bn, 0, rank * ks)
         elif staged:
             consumer()
             if cfg.stage_tiles:  # its part of the tile operand loads while the mainloop runs (during)
@@ -533,16 +579,23 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
             else:
                 consume(S, S, full, empty, acc, da, db, wg - 1, tw, 0)
                 sync(0)  # every consumer warpgroup's wgmmas are done and every load has landed: the ring is free
-            store(out_map, O, P, acc, wg - 1, tw, row0, col0, 0)
-            row_stats(stats, O, wg - 1, tw, row0, col0)
-            if norm is not None:
-                normalize(O, stats, flags, gamma, beta, wg - 1, tw, row0, col0, bx)
-                send(out_map, O, wg - 1, tw, row0, col0, 0)
-            wait_stores(tw)
+                if cfg.split_k > 1:
+                    gather(S, acc, wg - 1, tw, rank)
+            if rank == 0:
+                store(out_map, O, P, acc, wg - 1, tw, row0, col0, 0)
+                row_stats(stats, O, wg - 1, tw, row0, col0)
+                if norm is not None:
+                    normalize(O, stats, flags, gamma, beta, wg - 1, tw, row0, col0, bx)
+                    send(out_map, O, wg - 1, tw, row0, col0, 0)
+                wait_stores(tw)
         else:
             consumer()
             consume(S, S, full, empty, acc, da, db, wg - 1, tw, 0)
-            register_store(out, P, acc, tw, row0, col0)
+            if cfg.split_k > 1:
+                sync(0)  # the ring is free
+                gather(S, acc, wg - 1, tw, rank)
+            if rank == 0:
+                register_store(out, P, acc, tw, row0, col0)
 
     # persistent CTAs: one an SM, tiles t = bx, bx + grid, ... (tile_walk, tile_origin); each
     # consumer warpgroup stages into a buffer of its own

@@ -116,6 +116,12 @@ class WgmmaConfig:
     #: wave; at 8192 x 4096 -> 4096 that is x's 64 MB, more than L2 holds, once a wave
     #: (:mod:`.wgmma_elementwise`; the post-norm kernels walk rows their own way).
     group_rows: int = 0
+    #: The K loop split over this many CTAs, a thread-block cluster, each a ``K / split_k`` part
+    #: (split-K): its rank 0 adds the others' fp32 partial tiles, read from their shared memory
+    #: (distributed shared memory), and runs the epilogue alone (:mod:`.wgmma_elementwise`,
+    #: :func:`.wgmma_elementwise.gather_split`). Why: at a few rows (BERT at batch 1: M = 128)
+    #: a GEMM has a handful of tiles, and split-K is how they fill the SMs.
+    split_k: int = 1
 
     @property
     def slot_readers(self) -> int:
@@ -203,6 +209,13 @@ class WgmmaConfig:
             found.append(f"turns = {self.turns} (groups of consumer warpgroups taking turns: 2 or more, with pingpong)")
         if self.group_rows < 0:
             found.append(f"group_rows = {self.group_rows} (0: whole columns, or the row tiles a group)")
+        if not 1 <= self.split_k <= 8 or k % (self.split_k * self.bk):
+            found.append(f"split_k = {self.split_k} at K = {k} (1 to 8 CTAs of a cluster, each K / split_k, a multiple of bk = {self.bk})")
+        elif self.split_k > 1 and (self.resident or self.persistent or self.pingpong or self.ctas_per_sm != 1):
+            found.append("split_k with a resident B, persistent CTAs or two CTAs an SM (split-K CTAs take one tile's part each)")
+        elif self.split_k > 1 and self.consumers * self.wg_cols * 64 * 4 > self.smem_bytes:
+            found.append(f"split_k with {self.consumers} x 64 x {self.wg_cols} fp32 partials over a {self.smem_bytes // 1024} KiB ring "
+                         "(they are exchanged through it: more stages)")
         if self.ctas_per_sm not in (1, 2):
             found.append(f"ctas_per_sm = {self.ctas_per_sm} (1 or 2)")
         if self.smem_bytes + self.resident_bytes(k) > self.smem_limit:
@@ -340,9 +353,9 @@ def mainloop(cfg: WgmmaConfig, k: int, dtype: str, during=None):
     / bk - 1`` (``base`` 0 for one tile; a CTA that loops over tiles walks on, ``k / bk`` steps
     a tile, so slots and phases carry over):
 
-    - ``produce(A_map, B_map, S, W, full, empty, a_row, b_row, base)``, by the producer's one
+    - ``produce(A_map, B_map, S, W, full, empty, a_row, b_row, base, k0=0)``, by the producer's one
       thread: K step ``kk`` loads rows ``[a_row, + bm)`` of A and ``[b_row, + bn)`` of B (not
-      where B is resident: :func:`load_resident`), columns ``[kk * bk, + bk)``, into slot
+      where B is resident: :func:`load_resident`), columns ``[k0 + kk * bk, + bk)``, into slot
       ``(base + kk) % stages`` of ``S`` (``[stages, bm + bn, bk]``; ``[stages, bm, bk]`` with B resident);
     - ``consume(S, W, full, empty, acc, da, db, cw, tw, base)``, by consumer warpgroup ``cw``
       (thread ``tw`` of it): ``acc`` (``wg_cols / 2`` fp32 per thread) ends holding the thread's
@@ -364,15 +377,15 @@ def mainloop(cfg: WgmmaConfig, k: int, dtype: str, during=None):
 
     # pylint: disable=invalid-name
     @T.macro
-    def produce(A_map, B_map, S, W, full, empty, a_row, b_row, base):
+    def produce(A_map, B_map, S, W, full, empty, a_row, b_row, base, k0=0):
         for kk in T.serial(kt):
             acquire(full, empty, base + kk, cfg.smem_bytes // st)  # one slot's bytes
             for j in T.unroll(bm // a_box):
-                T.ptx[TMA_LOAD](S.ptr_to([(base + kk) % st, j * a_box, 0]), T.address_of(A_map), kk * bk, a_row + j * a_box,
+                T.ptx[TMA_LOAD](S.ptr_to([(base + kk) % st, j * a_box, 0]), T.address_of(A_map), k0 + kk * bk, a_row + j * a_box,
                                 full.ptr_to([(base + kk) % st]))
             if not res:
                 for j in T.unroll(bn // b_box):
-                    T.ptx[TMA_LOAD](S.ptr_to([(base + kk) % st, bm + j * b_box, 0]), T.address_of(B_map), kk * bk, b_row + j * b_box,
+                    T.ptx[TMA_LOAD](S.ptr_to([(base + kk) % st, bm + j * b_box, 0]), T.address_of(B_map), k0 + kk * bk, b_row + j * b_box,
                                     full.ptr_to([(base + kk) % st]))
 
     def b_tile(S, W, slot, kk, cw, ks):  # where the warpgroup's B columns of K step kk lie

@@ -416,6 +416,8 @@ def problems(m, n, k, spec: PostNorm, cfg: WgmmaConfig | None = None, stage: boo
         found.append("persistent = True (this kernel's CTAs loop over row blocks with a resident W: resident = True)")
     if cfg.stage_tiles:
         found.append("stage_tiles = True (the GEMM + elementwise kernel's knob: this kernel stages its tiles by Staging)")
+    if cfg.split_k != 1:
+        found.append(f"split_k = {cfg.split_k} (the GEMM + elementwise kernel's knob: this kernel's clusters slice the row)")
     return found + cfg.problems(m, n, k, spec.dtype)
 
 
