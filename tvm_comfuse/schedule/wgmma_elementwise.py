@@ -184,39 +184,44 @@ def problems(m: int, n: int, k: int, spec: Elementwise, cfg: WgmmaConfig | None 
     if persistent(cfg) and (cfg.producer_warps or cfg.ctas_per_sm != 1):
         found.append("persistent CTAs with producer warps or two CTAs an SM (persistent CTAs are one an SM, with a producer warpgroup)")
     if cfg.split_k > 1 and cfg.stage_tiles:
-        found.append("split_k with stage_tiles (the partials cross the cluster through the ring, where the output is then staged)")
+        found.append("split_k with stage_tiles (one tile operand load for a cluster's CTAs: not built)")
+    if cfg.split_k > 1 and cfg.smem_bytes + own_buffers_bytes(spec, cfg) * beside_ring(cfg) + gathered_bytes(cfg) > cfg.smem_limit:
+        found.append(f"split_k = {cfg.split_k}: the ring and {gathered_bytes(cfg) // 1024} KiB of gathered partials over "
+                     f"{cfg.smem_limit // 1024} KiB of shared memory (fewer stages or CTAs)")
     return found + cfg.problems(_padded(m, cfg.bm), n, k, spec.dtype)
 
 
+def gathered_bytes(cfg: WgmmaConfig) -> int:
+    """Shared memory rank 0 of a split-K cluster receives its peers' partials in (0 without split-K)."""
+    return (cfg.split_k - 1) * cfg.consumers * 64 * cfg.wg_cols * 4
+
+
 def gather_split(cfg: WgmmaConfig):
-    """The tirx macro ``gather(S, acc, cw, tw, rank)`` of a split-K kernel (``cfg.split_k`` CTAs of
-    a cluster, each a part of K): once every consumer warpgroup's mainloop is done (the ring is
-    free), ranks 1.. write their fp32 partials (thread ``tw`` of consumer warpgroup ``cw``: its
-    ``acc``) into their ring, ``[cw, register, thread]`` (conflict-free), and rank 0 adds them to its
-    own ``acc`` in rank order (deterministic), reading its peers' shared memory (``mapa`` +
-    ``ld.shared::cluster``) between two cluster barriers: the first makes the partials visible, the
-    second keeps a peer from leaving while rank 0 reads it. Then only rank 0 goes on to the
+    """The tirx macro ``gather(G, acc, cw, tw, rank)`` of a split-K kernel (``cfg.split_k`` CTAs
+    of a cluster, each a part of K): once its mainloop is done, thread ``tw`` of consumer
+    warpgroup ``cw`` of rank ``q > 0`` pushes its fp32 partials (``acc``) into slot ``q - 1`` of
+    rank 0's buffer ``G`` (``[split_k - 1, consumers, registers, 128 threads]``: conflict-free;
+    ``st.shared::cluster``, which does not wait); after one cluster barrier (release / acquire)
+    rank 0 adds them to its own ``acc`` in rank order (deterministic) and alone goes on to the
     epilogue. Why not through global memory (CUTLASS's serial split-K): the partials never leave
-    the chip, and no CTA waits for one that is not resident (a cluster is co-scheduled)."""
+    the chip, and no CTA waits for one that is not resident (a cluster is co-scheduled). Why
+    pushed, not read: a remote load waits its round trip, one after another (H100, session 32:
+    a rank 0 reading 32 values from each peer took 1.4-3.5 us more than no split)."""
     acc_n, ranks = cfg.wg_cols // 2, cfg.split_k
 
     # pylint: disable=invalid-name
     @T.macro
-    def gather(S, acc, cw, tw, rank):
-        part = T.decl_buffer([cfg.consumers, acc_n, 128], "float32", data=S.data, scope="shared.dyn")
+    def gather(G, acc, cw, tw, rank):
         peer = T.alloc_local([1], "uint32")
-        got = T.alloc_local([1], "float32")
         if rank > 0:
+            T.ptx["mapa.shared::cluster.u32"](peer[0], T.cuda.cvta_generic_to_shared(G.ptr_to([rank - 1, cw, 0, tw])), T.uint32(0))
             for i in T.unroll(acc_n):
-                part[cw, i, tw] = acc[i]
-        T.cuda.cluster_sync()  # the partials are written (release / acquire)
+                T.ptx["st.shared::cluster.f32"](peer[0] + T.uint32(i * 128 * 4), acc[i])
+        T.cuda.cluster_sync()  # the partials have landed (release / acquire)
         if rank == 0:
-            for q in T.unroll(1, ranks):
+            for q in T.unroll(ranks - 1):
                 for i in T.unroll(acc_n):
-                    T.ptx["mapa.shared::cluster.u32"](peer[0], T.cuda.cvta_generic_to_shared(part.ptr_to([cw, i, tw])), T.uint32(q))
-                    T.ptx["ld.shared::cluster.f32"](got[0], peer[0])
-                    acc[i] = acc[i] + got[0]
-        T.cuda.cluster_sync()  # rank 0 has read them: its peers may leave
+                    acc[i] = acc[i] + G[q, cw, i, tw]
 
     return gather
 
@@ -481,6 +486,7 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
     # then, beside it, each consumer warpgroup's staging buffer (1 KiB aligned: the ring's slots are)
     ring_elems = cfg.stages * (bm + bn) * cfg.bk
     own_elems = own_buffers_bytes(spec, cfg) // size(spec.dtype) if staged and beside_ring(cfg) else 0
+    gather_elems = gathered_bytes(cfg) // size(spec.dtype)  # after the ring: split-K's partials
     if staged and not stages_output(spec, cfg) or spec.stats and not staged:
         raise ComFuseError(f"wgmma GEMM + elementwise: the output cannot be staged for TMA stores ({spec.layout or spec.out_dtype}, "
                            f"{bm} x {bn} tiles in a {cfg.smem_bytes // 1024} KiB ring, row statistics {spec.stats!r}); "
@@ -556,15 +562,20 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
                               elem_offset=ring_elems * 2 // size(spec.out_dtype), scope="shared.dyn")
             rfull = T.alloc_shared([cfg.consumers], "uint64", scope="shared", align=8)  # [warpgroup]: its tile operand landed
             init_tiles(rfull, wg * 128 + tw)
-        else:  # the output staged in the ring once it is free
-            S = T.alloc_shared([cfg.stages, bm + bn, cfg.bk], spec.dtype, scope="shared.dyn", align=1024)
-            O = T.decl_buffer(buffer_shape(1, cfg.consumers, cfg.wg_cols, spec.out_dtype), spec.out_dtype, data=S.data, scope="shared.dyn")
+        else:  # the output staged in the ring once it is free (split-K's partials land beside it)
+            flat = T.alloc_shared([ring_elems + gather_elems], spec.dtype, scope="shared.dyn", align=1024)
+            S = T.decl_buffer([cfg.stages, bm + bn, cfg.bk], spec.dtype, data=flat.data, scope="shared.dyn")
+            O = T.decl_buffer(buffer_shape(1, cfg.consumers, cfg.wg_cols, spec.out_dtype), spec.out_dtype, data=flat.data, scope="shared.dyn")
+            G = T.decl_buffer([max(1, cfg.split_k - 1), cfg.consumers, acc_n, 128], "float32", data=flat.data,
+                              elem_offset=ring_elems * size(spec.dtype) // 4, scope="shared.dyn")
         full = T.alloc_shared([cfg.stages], "uint64", scope="shared", align=8)
         empty = T.alloc_shared([cfg.stages], "uint64", scope="shared", align=8)
         acc = T.alloc_local([acc_n], "float32")
         da = T.alloc_local([1], "uint64")
         db = T.alloc_local([1], "uint64")
         init(full, empty, wg * 128 + tw)
+        if cfg.split_k > 1:
+            T.cuda.cluster_sync()  # every CTA of the cluster has started before a peer pushes into it
         row0, col0 = T.meta_var((bx * bm + (wg - 1) // cfg.wg_n * 64, by * bn + (wg - 1) % cfg.wg_n * cfg.wg_cols))
         if wg == 0:
             producer()
@@ -578,9 +589,9 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
                 T.cuda.mbarrier_wait(rfull.ptr_to([wg - 1]), 0)
             else:
                 consume(S, S, full, empty, acc, da, db, wg - 1, tw, 0)
-                sync(0)  # every consumer warpgroup's wgmmas are done and every load has landed: the ring is free
                 if cfg.split_k > 1:
-                    gather(S, acc, wg - 1, tw, rank)
+                    gather(G, acc, wg - 1, tw, rank)
+                sync(0)  # every consumer warpgroup's wgmmas are done and every load has landed: the ring is free
             if rank == 0:
                 store(out_map, O, P, acc, wg - 1, tw, row0, col0, 0)
                 row_stats(stats, O, wg - 1, tw, row0, col0)
@@ -592,8 +603,7 @@ def wgmma_elementwise(m: int, n: int, k: int, spec: Elementwise = Elementwise(),
             consumer()
             consume(S, S, full, empty, acc, da, db, wg - 1, tw, 0)
             if cfg.split_k > 1:
-                sync(0)  # the ring is free
-                gather(S, acc, wg - 1, tw, rank)
+                gather(G, acc, wg - 1, tw, rank)
             if rank == 0:
                 register_store(out, P, acc, tw, row0, col0)
 

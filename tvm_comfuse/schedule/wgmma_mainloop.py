@@ -118,8 +118,8 @@ class WgmmaConfig:
     group_rows: int = 0
     #: The K loop split over this many CTAs, a thread-block cluster, each a ``K / split_k`` part
     #: (split-K): its rank 0 adds the others' fp32 partial tiles, read from their shared memory
-    #: (distributed shared memory), and runs the epilogue alone (:mod:`.wgmma_elementwise`,
-    #: :func:`.wgmma_elementwise.gather_split`). Why: at a few rows (BERT at batch 1: M = 128)
+    #: (pushed into its shared memory: distributed shared memory), and runs the epilogue alone
+    #: (:mod:`.wgmma_elementwise`, :func:`.wgmma_elementwise.gather_split`). Why: at a few rows (BERT at batch 1: M = 128)
     #: a GEMM has a handful of tiles, and split-K is how they fill the SMs.
     split_k: int = 1
 
@@ -213,9 +213,7 @@ class WgmmaConfig:
             found.append(f"split_k = {self.split_k} at K = {k} (1 to 8 CTAs of a cluster, each K / split_k, a multiple of bk = {self.bk})")
         elif self.split_k > 1 and (self.resident or self.persistent or self.pingpong or self.ctas_per_sm != 1):
             found.append("split_k with a resident B, persistent CTAs or two CTAs an SM (split-K CTAs take one tile's part each)")
-        elif self.split_k > 1 and self.consumers * self.wg_cols * 64 * 4 > self.smem_bytes:
-            found.append(f"split_k with {self.consumers} x 64 x {self.wg_cols} fp32 partials over a {self.smem_bytes // 1024} KiB ring "
-                         "(they are exchanged through it: more stages)")
+
         if self.ctas_per_sm not in (1, 2):
             found.append(f"ctas_per_sm = {self.ctas_per_sm} (1 or 2)")
         if self.smem_bytes + self.resident_bytes(k) > self.smem_limit:

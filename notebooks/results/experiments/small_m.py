@@ -1,83 +1,164 @@
-"""A few rows (batch 1 and 4 of BERT-base at sequence 128): narrow tiles to fill the SMs? (issue 6)
+"""A few rows (batch 1 and 4 of BERT-base at sequence 128): split-K and deeper rings to fill the SMs? (issue 6)
 
 Why: session 31 measured BERT-base at batch 1 x 128 (M = 128) on the H100: ComFuse 649.6 us against
-torch.compile's 477.3. The defaults launch too few CTAs for 128 rows: the post-norm's cluster
-kernel slices a row over at most 8 CTAs of 64 rows (16 CTAs on 132 SMs: FFN2's post-norm 17.4 us a
-layer), and the GEMM + elementwise default's 64 x 128 tiles give 12 CTAs at N = 768 (Q/K/V 5.4 us
-each against cuBLAS's ~2). The one-kernel split post-norm (:mod:`tvm_comfuse.schedule.row_exchange`)
-is not bound to a cluster: with 64 x 32 tiles M = 128, N = 768 is 48 CTAs, with 64 x 16 96.
+torch.compile's 477.3. The defaults launch few CTAs for 128 rows: the post-norm's cluster kernel
+slices a row over at most 8 CTAs of 64 rows (16 CTAs on 132 SMs: FFN2's post-norm 17.4 us a layer
+in the model, against ~12.6 here with W hot in L2), and each CTA streams its part of W through a
+4-stage ring: one CTA's loads in flight, 64 KiB, bound its bandwidth. ``WgmmaConfig.split_k`` splits
+K over the CTAs of a cluster (partials pushed into rank 0's shared memory); the one-kernel split
+post-norm (:mod:`tvm_comfuse.schedule.row_exchange`) is not bound to one cluster a row.
 
-Prediction (H100 or H200, device us): at M = 128 the exchange kernel with bn 32 or 16 takes
-FFN2's post-norm (128 x 3072 -> 768) from ~17 to ~6-8 and the attention output (128 x 768 ->
-768) from ~8 to ~4, each within ~1.3x of torch.compile's cuBLAS + Triton; the plain GEMM at 128 x
-768 -> 768 from ~5 with 64 x 128 tiles to ~3 with 64 x 32. At M = 512 (batch 4) the gain is
-smaller (the defaults already launch 32-64 CTAs).
+Session 32's first run (H100, W hot in L2, rank 0 *reading* its peers' partials) measured split-K
+correct but no faster: 11.2 us at best for FFN2's post-norm (64 x 64 tiles, 2 splits) against the
+cluster kernel's 12.6 and torch.compile's 8.4, the gather costing 1.4-3.5 us. This run pushes the
+partials instead, tries 8-stage rings, and times with W cold as in the model: every call reads the
+next of enough copies of w to overflow L2.
+
+Prediction (device us, W cold): the pushed gather costs under 0.5 us; at M = 128 split-K with an
+8-stage ring takes FFN2's post-norm from the cluster kernel's ~17 to ~8-10 (torch.compile ~9-10),
+and the attention output's from ~8 to ~5.
 
 Contenders per post-norm shape, one process, the same inputs, correctness checked first:
-cuBLAS's GEMM alone, torch.compile, the cluster kernel's default, the one-kernel split form at
-each ``bn``; per plain GEMM shape: cuBLAS and the wgmma GEMM at each tile.
+cuBLAS's GEMM alone, torch.compile, the cluster kernel's default, the one-kernel split form per
+tile; per plain GEMM shape: cuBLAS and the wgmma GEMM per tile.
 
 Run: ``bash .ci/gpu-run notebooks/results/experiments/small_m.py`` (``$OUT/small-m.json``).
 """
 
-import torch
+import itertools
 
-from row_exchange import exchange  # the same directory: sys.path[0] when run as a script
-from wgmma_gemm import cluster_cases, measure, save, timed
+import torch
+import tvm
+
+from wgmma_gemm import build, error_text, save, timed  # the same directory: sys.path[0] when run as a script
 
 from tvm_comfuse.schedule import split_norm as sn
 from tvm_comfuse.schedule.wgmma_elementwise import Elementwise, problems as ew_problems, wgmma_elementwise
 from tvm_comfuse.schedule.wgmma_mainloop import WgmmaConfig
+from tvm_comfuse.schedule.wgmma_postnorm import PostNorm, problems as pn_problems, wgmma_postnorm
 
 #: post-norm (M, K, N): BERT-base's FFN2 and attention output at batch 1 and 4, sequence 128
 POSTNORM = [(128, 3072, 768), (128, 768, 768), (512, 3072, 768), (512, 768, 768)]
-#: plain GEMM (M, K, N): the Q/K/V projections and FFN1 at batch 1, then the projections at batch 4
-GEMMS = [(128, 768, 768), (128, 768, 3072), (512, 768, 768)]
-#: (column tile, split-K CTAs) tried, 64 rows each: post-norms, plain GEMMs
-TILES = [(bn, s) for bn in (192, 128, 64) for s in (1, 2, 4, 8)]
-GEMM_TILES = [(128, 1), (128, 2), (128, 4), (64, 1), (64, 2), (64, 4), (64, 8), (32, 1), (32, 4)]
+#: plain GEMM (M, K, N): the Q/K/V projections and FFN1 at batch 1
+GEMMS = [(128, 768, 768), (128, 768, 3072)]
+#: (column tile, split-K CTAs, most stages) tried, 64 rows each: post-norms, plain GEMMs
+TILES = [(bn, s, st) for bn in (128, 64) for s in (1, 2, 4, 8) for st in (4, 8)] + [(192, 1, 4), (192, 2, 8)]
+GEMM_TILES = [(bn, s, st) for bn in (128, 64, 32) for s in (1, 2, 4) for st in (4, 8)]
+#: bytes of weight copies cycled through: more than the 50 MiB L2, so every call reads w from HBM
+COLD_BYTES = 160 * 2**20
 
 
-def ring(m, n, k, bn, split, fits):
-    """The deepest ring (up to 4 stages, bk 64 then 32, no more stages than a split's K steps)
-    on which ``fits(cfg)`` holds for a 64 x ``bn`` tile over ``split`` CTAs, or None."""
+def configs(m, n, k, tiles, fits):
+    """The distinct configurations :func:`ring` gives for ``tiles``."""
+    return list(dict.fromkeys(c for bn, split, most in tiles for c in [ring(m, n, k, bn, split, most, fits)] if c is not None))
+
+
+def ring(m, n, k, bn, split, most, fits):
+    """The deepest ring (up to ``most`` stages, bk 64 then 32, no more stages than a split's K
+    steps) on which ``fits(cfg)`` holds for a 64 x ``bn`` tile over ``split`` CTAs, or None."""
     for bk in (64, 32):
         steps = k // split // bk
-        for stages in range(min(4, steps), 1, -1):
+        for stages in range(min(most, steps), 1, -1):
             cfg = WgmmaConfig(64, bn, stages, bk, split_k=split)
             if fits(cfg):
                 return cfg
     return None
 
 
-def main():
-    rows = []
-    for m, k, n, spec, inputs, ref, base, out in cluster_cases(POSTNORM, rows):
-        for bn, split in TILES:
-            cfg = ring(m, n, k, bn, split, lambda c: not sn.exchange_problems(m, n, k, spec, c))  # noqa: B023
-            if cfg is not None:
-                rows.append(exchange(m, n, k, spec, inputs, out, ref, base, f"exchange_bn{bn}_k{split}", cfg))
+def copies(w):
+    """``w`` and copies of it, together over :data:`COLD_BYTES`."""
+    return [w] + [w.clone() for _ in range(COLD_BYTES // (w.numel() * w.element_size()))]
+
+
+def cycling(fn, arg_sets):
+    """A call of ``fn(*args)`` on the next of ``arg_sets`` each time."""
+    it = itertools.cycle(arg_sets)
+    return lambda: fn(*next(it))
+
+
+def run(row, fn, arg_sets, out, ref):
+    """Check ``fn`` on the first arguments (``out`` NaN-filled first) against ``ref``, then time it
+    cycling through all of them (and check again: the exchange's barrier words after hundreds of
+    launches); records errors in ``row``, prints one line."""
+    try:
+        errors = []
+        for phase in ("before", "after"):
+            out.fill_(float("nan"))
+            fn(*arg_sets[0])
+            torch.cuda.synchronize()
+            errors.append(float((out.float() - ref).abs().max()))
+            if phase == "before":
+                timed(row, cycling(fn, arg_sets))
+        row.update(max_abs_err=errors[0], max_abs_err_after_timing=errors[1])
+    except Exception as err:  # pylint: disable=broad-except
+        row["error"] = error_text(err)
+    text = f"{row['kernel_us']:.1f} (err {row['max_abs_err']:.2g}/{row['max_abs_err_after_timing']:.2g})" if "kernel_us" in row else row["error"][:120]
+    print(f"  {row['contender']} {row.get('config', '')}: {text}", flush=True)
+    return row
+
+
+def postnorm(rows, gen):
+    f = torch.nn.functional
+    rnd = lambda *s: torch.randn(*s, device="cuda", dtype=torch.float16, generator=gen)  # noqa: E731
+    spec = PostNorm.suite("float16")
+    for m, k, n in POSTNORM:
+        x, w, b, r, g, be = rnd(m, k), rnd(n, k) / k**0.5, rnd(n), rnd(m, n), rnd(n), rnd(n)
+        ref = f.layer_norm(x.float() @ w.float().T + b.float() + r.float(), (n,), g.float(), be.float())
+        ws = copies(w)
+        base = dict(M=m, K=k, N=n, dtype="float16", op="layer_norm", w_copies=len(ws))
+        print(f"{m}x{k}x{n} post-norm ({len(ws)} copies of w):", flush=True)
+        out = torch.empty(m, n, device="cuda", dtype=torch.float16)
+        cublas = lambda w_: torch.matmul(x, w_.T, out=out)  # noqa: E731,B023
+        rows.append(timed(dict(base, contender="cublas_gemm_alone"), cycling(cublas, [(w_,) for w_ in ws])))
+        print(f"  cublas_gemm_alone: {rows[-1]['kernel_us']:.1f}", flush=True)
+        compiled = torch.compile(lambda a, w_: f.layer_norm(f.linear(a, w_, b) + r, (n,), g, be), dynamic=False)  # noqa: B023
+        rows.append(run(dict(base, contender="inductor"), lambda a, w_: out.copy_(compiled(a, w_)), [(x, w_) for w_ in ws], out, ref))
+        tv = lambda *ts: [tvm.runtime.from_dlpack(t) for t in ts]  # noqa: E731
+        if not pn_problems(m, n, k, spec):
+            kernel = build(wgmma_postnorm(m, n, k, spec))["main"]
+            rows.append(run(dict(base, contender="cluster_default"), kernel, [tv(x, w_, b, r, g, be, out) for w_ in ws], out, ref))
+        for cfg in configs(m, n, k, TILES, lambda c: not sn.exchange_problems(m, n, k, spec, c)):  # noqa: B023
+            bn, split = cfg.bn, cfg.split_k
+            row = dict(base, contender=f"exchange_bn{bn}_k{split}_s{cfg.stages}", config=dict(bn=bn, split_k=split, stages=cfg.stages, bk=cfg.bk))
+            try:
+                kernel = build(sn.exchange_kernel(m, n, k, spec, cfg))["main"]
+            except Exception as err:  # pylint: disable=broad-except
+                rows.append(dict(row, error=error_text(err)))
+                print(f"  {row['contender']}: {rows[-1]['error']}", flush=True)
+                continue
+            flags = torch.zeros(sn.flags_shape(m, n, k, spec, cfg), device="cuda", dtype=torch.int32)
+            stats = torch.empty(m, n // cfg.wg_cols, 2, device="cuda")
+            rows.append(run(row, kernel, [tv(x, w_, b, r, g, be, flags, out, stats) for w_ in ws], out, ref))
         save("small-m.json", rows)
-    gen = torch.Generator(device="cuda").manual_seed(1)
+
+
+def gemms(rows, gen):
     for m, k, n in GEMMS:
         a = torch.randn(m, k, device="cuda", dtype=torch.float16, generator=gen)
         b = torch.randn(n, k, device="cuda", dtype=torch.float16, generator=gen) / k**0.5
         ref = a.float() @ b.float().T
-        base = dict(M=m, K=k, N=n, dtype="float16", op="gemm")
-        rows.append(timed(dict(base, contender="cublas", max_abs_err=float((torch.matmul(a, b.T).float() - ref).abs().max())),
-                          lambda: torch.matmul(a, b.T)))  # noqa: B023
-        print(f"{m}x{k}x{n} gemm: cublas {rows[-1]['kernel_us']:.1f} us device", flush=True)
+        bs = copies(b)
+        base = dict(M=m, K=k, N=n, dtype="float16", op="gemm", w_copies=len(bs))
+        print(f"{m}x{k}x{n} gemm ({len(bs)} copies of w):", flush=True)
         c = torch.empty(m, n, device="cuda", dtype=torch.float16)
-        for bn, split in GEMM_TILES:
-            cfg = ring(m, n, k, bn, split, lambda c: not ew_problems(m, n, k, Elementwise(), c))  # noqa: B023
-            for stage in ((None, False) if cfg is not None and bn == 64 and split > 1 else (None,) if cfg is not None else ()):  # staged by TMA where it can be; per-thread stores (the head layouts')
-                row = measure(dict(base, contender=f"wgmma_bn{bn}_k{split}{'_unstaged' if stage is False else ''}",
-                                   config=dict(bn=bn, stages=cfg.stages, bk=cfg.bk, split_k=split)),
-                              lambda: wgmma_elementwise(m, n, k, Elementwise(), cfg, stage=stage), [a, b], c, ref)  # noqa: B023
-                rows.append(row)
-                print(f"  {row['contender']} {cfg.stages}x{cfg.bk}: "
-                      + (f"{row['kernel_us']:.1f} (err {row['max_abs_err']:.2g})" if "kernel_us" in row else row["error"][:100]), flush=True)
+        rows.append(run(dict(base, contender="cublas"), lambda b_: torch.matmul(a, b_.T, out=c), [(b_,) for b_ in bs], c, ref))  # noqa: B023
+        for cfg in configs(m, n, k, GEMM_TILES, lambda c_: not ew_problems(m, n, k, Elementwise(), c_)):  # noqa: B023
+            bn, split = cfg.bn, cfg.split_k
+            row = dict(base, contender=f"wgmma_bn{bn}_k{split}_s{cfg.stages}", config=dict(bn=bn, split_k=split, stages=cfg.stages, bk=cfg.bk))
+            try:
+                kernel = build(wgmma_elementwise(m, n, k, Elementwise(), cfg))["main"]
+            except Exception as err:  # pylint: disable=broad-except
+                rows.append(dict(row, error=error_text(err)))
+                continue
+            rows.append(run(row, kernel, [[tvm.runtime.from_dlpack(t) for t in (a, b_, c)] for b_ in bs], c, ref))
         save("small-m.json", rows)
+
+
+def main():
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    postnorm(rows, gen)
+    gemms(rows, gen)
 
 
 if __name__ == "__main__":
