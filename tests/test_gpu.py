@@ -477,6 +477,9 @@ def test_gpu_split_postnorm_of_an_imported_bert_chain():
     (1, 768, 768, "bfloat16", "layer_norm", None),  # one row
     # the residual loaded by TMA into the staging buffers (the default since session 23), before K step `staged`
     (4096, 768, 3072, "float16", "layer_norm", 4), (1000, 1024, 768, "bfloat16", "rms_norm", 0),
+    # split-K (session 32): K over a cluster of 2 or 4 CTAs, their partials pushed into rank 0's shared memory
+    (128, 768, 3072, "float16", "layer_norm", dict(bm=64, bn=64, stages=8, bk=64, split_k=4)),
+    (100, 768, 768, "bfloat16", "rms_norm", dict(bm=64, bn=128, stages=4, bk=64, split_k=2)),
 ])
 def test_gpu_row_exchange_postnorm_matches_torch(M, N, K, dtype, norm, staged):
     """The split post-norm in one kernel (:mod:`tvm_comfuse.schedule.row_exchange`): each CTA's
@@ -493,7 +496,9 @@ def test_gpu_row_exchange_postnorm_matches_torch(M, N, K, dtype, norm, staged):
     r = r + 8
     spec = wp.PostNorm.suite(dtype, norm)
     cfg = sn.config(M, N, K, spec)
-    if staged is False:
+    if isinstance(staged, dict):
+        cfg = wm.WgmmaConfig(**staged)
+    elif staged is False:
         cfg = dataclasses.replace(cfg, stage_tiles=False, tile_step=0)
     elif staged is not None:
         cfg = dataclasses.replace(cfg, stage_tiles=True, tile_step=staged, stages=3 if cfg.bn == 256 else cfg.stages)
@@ -596,6 +601,10 @@ def _chain_reference(spec, x, w, operands):
      None, None, None),
     (16384, 1024, 256, "float16", "silu_residual", dict(bm=128, bn=128, stages=4, bk=64, persistent=True, stage_tiles=True,
                                                         tile_step=2), (128, 128), None, None),
+    # split-K (session 32): staged, and in a head layout from registers, rows no tile divides
+    (128, 3072, 768, "float16", "ffn1", dict(bm=64, bn=64, stages=6, bk=64, split_k=2), None, None, None),
+    (100, 768, 768, "float16", "projection", dict(bm=64, bn=64, stages=3, bk=64, split_k=4), (1, 100), (0, 2, 1, 3), None),
+    (200, 1024, 1024, "bfloat16", "silu_residual", dict(bm=128, bn=128, stages=4, bk=32, split_k=2), None, None, None),
 ])
 def test_gpu_wgmma_elementwise_matches_torch(M, N, K, dtype, chain, cfg, lead, axes, stage):
     """The GEMM + elementwise kernel (written on CPU in session 14) against PyTorch: BERT's chains
