@@ -45,7 +45,7 @@ from .chain import ACTIVATIONS, chain_value, np_chain, np_dtype
 from . import row_exchange
 from .staged_store import STAGE_BARRIER, box_cols, buffer_shape, drain, size, staged_at, staged_bytes, staged_store, tma_store
 from .wgmma_mainloop import TMA_LOAD, Ring, WgmmaConfig, box_rows, consumer_sync, fragment, mainloop, roles, tensor_map
-from .wgmma_postnorm import SM_COUNT
+from .wgmma_postnorm import ACTIVE_CLUSTERS, SM_COUNT
 
 #: Row statistics the kernel can write beside its output (:attr:`Elementwise.stats`).
 STATS = ("", "layer_norm", "rms_norm", "softmax")
@@ -53,6 +53,11 @@ STATS = ("", "layer_norm", "rms_norm", "softmax")
 #: outgrows half of it beside a tile operand (:func:`group_rows`).
 L2_BYTES = 50 * 2**20
 GROUP_ROWS = 16
+#: Least K a split-K CTA of the default takes (:func:`split_config`): 12 steps of 64, so that the
+#: ring fills and the gather's cost (one cluster barrier, its partials pushed) stays small beside it.
+SPLIT_MIN_K = 768
+#: Deepest ring of a split-K default: a few tiles stream w alone, and a CTA's loads in flight bound its bandwidth.
+SPLIT_STAGES = 8
 #: CTA tiles the default chooses from, with their throughput relative to 128 x 256 as plain
 #: GEMMs at 4096^3 on the H200 (session 8, ``wgmma-gemm-ws.json``: 0.77x cuBLAS for 128 x 256;
 #: 128 x 192 and 64 x 128 not measured there, interpolated).
@@ -270,6 +275,9 @@ def default_config(m: int, n: int, k: int, spec: Elementwise = Elementwise()) ->
     if best is None:
         return None
     cfg = best[1]
+    split = split_config(m, n, k, spec, cfg)
+    if split is not None:
+        return split
     if _padded(m, cfg.bm) // cfg.bm * (n // cfg.bn) > SM_COUNT:
         for bk in (64, 32):
             for stages in (4, 3):
@@ -283,6 +291,28 @@ def default_config(m: int, n: int, k: int, spec: Elementwise = Elementwise()) ->
             if not problems(m, n, k, spec, staged):
                 return staged
     return cfg
+
+
+def split_config(m: int, n: int, k: int, spec: Elementwise, cfg: WgmmaConfig) -> WgmmaConfig | None:
+    """The split-K configuration (``WgmmaConfig.split_k``) the default takes over ``cfg`` where
+    ``cfg``'s tiles fill less than half the SMs, or None: 64 x 64 tiles, K split over the most CTAs
+    (8, 4 or 2) that leave each at least :data:`SPLIT_MIN_K` of K and the grid one wave (as many
+    clusters as run at once: a post-norm's one-kernel form needs every CTA resident), on the
+    deepest ring (up to :data:`SPLIT_STAGES`) that fits beside rank 0's gathered partials.
+    Why: at BERT-base's batch 1 (128 rows) FFN2's 128 x 3072 -> 768 has 12 tiles of the usual
+    64 x 128, each streaming its part of w through a 4-stage ring alone (its post-norm 17.4 us a
+    layer in the model against torch.compile's cuBLAS + Triton, H100, session 31)."""
+    if _padded(m, cfg.bm) // cfg.bm * (n // cfg.bn) * 2 > SM_COUNT or n % 64:
+        return None
+    tiles = _padded(m, 64) // 64 * (n // 64)
+    for split in (8, 4, 2):
+        if k % (split * 64) or k // split < SPLIT_MIN_K or tiles * split > SM_COUNT or tiles > ACTIVE_CLUSTERS[split]:
+            continue
+        for stages in range(min(SPLIT_STAGES, k // split // 64), 2, -1):
+            found = WgmmaConfig(64, 64, stages, 64, split_k=split)
+            if not problems(m, n, k, spec, found):
+                return found
+    return None
 
 
 def staging(cfg: WgmmaConfig) -> WgmmaConfig:

@@ -37,8 +37,8 @@ from tvm_comfuse.schedule.wgmma_elementwise import Elementwise, problems as ew_p
 from tvm_comfuse.schedule.wgmma_mainloop import WgmmaConfig
 from tvm_comfuse.schedule.wgmma_postnorm import PostNorm, problems as pn_problems, wgmma_postnorm
 
-#: post-norm (M, K, N): BERT-base's FFN2 and attention output at batch 1 and 4, sequence 128
-POSTNORM = [(128, 3072, 768), (128, 768, 768), (512, 3072, 768), (512, 768, 768)]
+#: post-norm (M, K, N): BERT-base's FFN2 and attention output at batch 1, sequence 128
+POSTNORM = [(128, 3072, 768), (128, 768, 768)]
 #: plain GEMM (M, K, N): the Q/K/V projections and FFN1 at batch 1
 GEMMS = [(128, 768, 768), (128, 768, 3072)]
 #: (column tile, split-K CTAs, most stages) tried, 64 rows each: post-norms, plain GEMMs
