@@ -451,10 +451,47 @@ def test_split_postnorm_in_one_kernel_meets_its_row_tile_once_and_normalises_on_
             sn.exchange_kernel(m2, n, k, spec2)
 
 
+@pytest.mark.parametrize("m, k, n, split", [(128, 3072, 768, 4), (128, 4096, 1024, 2), (1, 4096, 4096, 2)])
+def test_few_rows_split_k_over_a_cluster_and_gather_on_chip(m, k, n, split):
+    """Where a GEMM's tiles fill under half the SMs (BERT at batch 1), the default splits K over a
+    cluster (``WgmmaConfig.split_k``) with each split at least ``SPLIT_MIN_K`` and the grid one
+    wave of co-resident clusters; its peers push their partials into rank 0's shared memory
+    (``st.shared::cluster``, one a register, never a remote load) between the start barrier and
+    one more; no spills. A post-norm group there runs as the split's one kernel."""
+    from tvm_comfuse.errors import ComFuseError  # pylint: disable=import-outside-toplevel
+    from tvm_comfuse.schedule import row_exchange, split_norm as sn, wgmma_elementwise as we, wgmma_mainloop as wm, wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
+    from tvm_comfuse.transform.offload_hopper import postnorm_kernel  # pylint: disable=import-outside-toplevel
+
+    spec = wp.PostNorm.suite()
+    cfg = sn.config(m, n, k, spec)
+    assert (cfg.bm, cfg.bn, cfg.split_k) == (64, 64, split) and k // split >= we.SPLIT_MIN_K
+    assert row_exchange.tiles(m, n, cfg) <= wp.SM_COUNT and row_exchange.tiles(m, n, cfg) // split <= wp.ACTIVE_CLUSTERS[split]
+    plain = we.default_config(4096, n, k, sn.gemm_spec(spec))
+    assert plain.split_k == 1  # a full wave of tiles: no split
+    if m % 64 == 0:
+        assert postnorm_kernel(m, n, k, spec)[0] == "split" and not sn.exchange_problems(m, n, k, spec)
+        func = sn.exchange_kernel(m, n, k, spec)
+    else:
+        func = we.wgmma_elementwise(m, n, k, we.Elementwise(), cfg)
+    source = codegen.cuda_source(wm.build(func))
+    assert codegen.ptxas_usage(source)["spill"] == 0
+    body = codegen.compile_with_nvcc(source, "sm_90a", fmt="ptx").decode()
+    body = body[body.index(".entry"):]
+    assert body.count("st.shared::cluster.f32") == cfg.wg_cols // 2  # one push a register
+    assert "ld.shared::cluster" not in body
+    assert body.count("barrier.cluster.arrive") == 2 and body.count("barrier.cluster.wait") == 2
+    for bad, words in ((dataclasses.replace(cfg, persistent=True), "split_k with a resident B, persistent"),
+                       (dataclasses.replace(cfg, split_k=k // 64 + 1), "split_k"),
+                       (dataclasses.replace(cfg, stages=64), "KiB")):
+        assert any(words in p for p in we.problems(m, n, k, we.Elementwise(), bad)), bad
+        with pytest.raises(ComFuseError):
+            we.wgmma_elementwise(m, n, k, we.Elementwise(), bad)
+
+
 @pytest.mark.parametrize("kernel", ["gemm", "gemm_one_step", "postnorm_768", "postnorm_768_bk32", "postnorm_512_cluster",
                                     "postnorm_1024", "rms_norm", "b2b", "b2b_bm64", "b2b_persistent", "postnorm_resident",
                                     "postnorm_two_rounds", "postnorm_2ctas", "postnorm_pingpong", "elementwise_pingpong",
-                                    "elementwise_staged_mid", "b2b_overlap"])
+                                    "elementwise_staged_mid", "b2b_overlap", "exchange_split_k"])
 def test_wgmma_kernels_read_accumulators_only_after_the_last_wait(kernel):
     """No SASS instruction touches a wgmma accumulator while a wgmma group may still write it.
     ptxas hoists epilogue arithmetic above the final ``wait_group 0`` when the K loop leaves a
@@ -487,6 +524,8 @@ def test_wgmma_kernels_read_accumulators_only_after_the_last_wait(kernel):
         "elementwise_staged_mid": lambda: we.wgmma_elementwise(4096, 768, 3072, dataclasses.replace(sn.gemm_spec(ln), stats=""),
                                                                wm.WgmmaConfig(128, 192, 4, stage_tiles=True, tile_step=4)),
         "b2b_overlap": lambda: wb.wgmma_b2b(65536, 128, 1024, 1024, wb.B2B.mlp(), wb.B2BConfig(128, 4, 64, 64, 6, True, True)),
+        # split-K (session 32): the partials leave the accumulators after the last wait too
+        "exchange_split_k": lambda: sn.exchange_kernel(128, 768, 3072, ln),
     }[kernel]()
     source = codegen.cuda_source(wm.build(func))
     sass = codegen.sass(codegen.compile_with_nvcc(source, "sm_90a"))
