@@ -56,7 +56,8 @@ GROUP_ROWS = 16
 #: Least K a split-K CTA of the default takes (:func:`split_config`): 12 steps of 64, so that the
 #: ring fills and the gather's cost (one cluster barrier, its partials pushed) stays small beside it.
 SPLIT_MIN_K = 768
-#: Deepest ring of a split-K default: a few tiles stream w alone, and a CTA's loads in flight bound its bandwidth.
+#: Deepest ring of the default where its tiles are few (:func:`split_config`, :func:`deeper`): they
+#: stream w alone, and a CTA's loads in flight bound its bandwidth.
 SPLIT_STAGES = 8
 #: CTA tiles the default chooses from, with their throughput relative to 128 x 256 as plain
 #: GEMMs at 4096^3 on the H200 (session 8, ``wgmma-gemm-ws.json``: 0.77x cuBLAS for 128 x 256;
@@ -278,6 +279,7 @@ def default_config(m: int, n: int, k: int, spec: Elementwise = Elementwise()) ->
     split = split_config(m, n, k, spec, cfg)
     if split is not None:
         return split
+    cfg = deeper(m, n, k, spec, cfg)
     if _padded(m, cfg.bm) // cfg.bm * (n // cfg.bn) > SM_COUNT:
         for bk in (64, 32):
             for stages in (4, 3):
@@ -293,26 +295,50 @@ def default_config(m: int, n: int, k: int, spec: Elementwise = Elementwise()) ->
     return cfg
 
 
+def few_tiles(m: int, n: int, cfg: WgmmaConfig) -> bool:
+    """Whether ``cfg``'s tiles fill less than half the SMs: where the K loop's latency, not the
+    tensor cores, bounds a CTA (BERT at batch 1: 128 rows)."""
+    return _padded(m, cfg.bm) // cfg.bm * (n // cfg.bn) * 2 <= SM_COUNT
+
+
 def split_config(m: int, n: int, k: int, spec: Elementwise, cfg: WgmmaConfig) -> WgmmaConfig | None:
-    """The split-K configuration (``WgmmaConfig.split_k``) the default takes over ``cfg`` where
-    ``cfg``'s tiles fill less than half the SMs, or None: 64 x 64 tiles, K split over the most CTAs
-    (8, 4 or 2) that leave each at least :data:`SPLIT_MIN_K` of K and the grid one wave (as many
-    clusters as run at once: a post-norm's one-kernel form needs every CTA resident), on the
-    deepest ring (up to :data:`SPLIT_STAGES`) that fits beside rank 0's gathered partials.
-    Why: at BERT-base's batch 1 (128 rows) FFN2's 128 x 3072 -> 768 has 12 tiles of the usual
-    64 x 128, each streaming its part of w through a 4-stage ring alone (its post-norm 17.4 us a
-    layer in the model against torch.compile's cuBLAS + Triton, H100, session 31)."""
-    if _padded(m, cfg.bm) // cfg.bm * (n // cfg.bn) * 2 > SM_COUNT or n % 64:
+    """Where ``cfg``'s tiles are few (:func:`few_tiles`), the configuration of 64 x 64 tiles the
+    default takes instead, or None: K split over the most CTAs of a cluster (8, 4, 2 or none:
+    ``WgmmaConfig.split_k``) that leave each at least :data:`SPLIT_MIN_K` of K and the grid one
+    wave (as many clusters as run at once: a post-norm's one-kernel form needs every CTA
+    resident), on the deepest ring (up to :data:`SPLIT_STAGES`) that fits beside rank 0's
+    gathered partials; without a split, only where the 64 x 64 tiles are still few. Measured on
+    the H100 (session 32, ``experiments/small_m.py``, w cold in L2 as in a model, device us):
+    BERT-base's FFN2 post-norm at 128 rows (128 x 3072 -> 768) 10.3 on 4-way split-K against
+    the cluster kernel's 18.3 (torch.compile 10.1); its Q/K/V GEMM (128 x 768 -> 768) 3.9 on
+    8-stage 64 x 64 tiles against the default's 64 x 128 on 4 stages, 5.3 (cuBLAS 3.8)."""
+    if not few_tiles(m, n, cfg) or n % 64:
         return None
     tiles = _padded(m, 64) // 64 * (n // 64)
-    for split in (8, 4, 2):
-        if k % (split * 64) or k // split < SPLIT_MIN_K or tiles * split > SM_COUNT or tiles > ACTIVE_CLUSTERS[split]:
+    for split in (8, 4, 2, 1):
+        if k % (split * 64) or k // split < min(SPLIT_MIN_K, k) or tiles * split > SM_COUNT or split > 1 and tiles > ACTIVE_CLUSTERS[split]:
             continue
-        for stages in range(min(SPLIT_STAGES, k // split // 64), 2, -1):
+        if split == 1 and tiles * 2 > SM_COUNT:
+            return None
+        for stages in range(min(SPLIT_STAGES, k // split // 64), 1, -1):
             found = WgmmaConfig(64, 64, stages, 64, split_k=split)
             if not problems(m, n, k, spec, found):
                 return found
     return None
+
+
+def deeper(m: int, n: int, k: int, spec: Elementwise, cfg: WgmmaConfig) -> WgmmaConfig:
+    """``cfg`` on the deepest ring up to :data:`SPLIT_STAGES` (no deeper than K's steps) where its
+    tiles are few (:func:`few_tiles`): one CTA's loads in flight bound its bandwidth. Measured on
+    the H100 (session 32, ``experiments/small_m.py``, w cold): 64 x 128 tiles at 128 x 768 ->
+    768 took 4.4 us on 8 stages against 5.3 on 4, at 128 x 768 -> 3072 4.8 against 5.8."""
+    if not few_tiles(m, n, cfg):
+        return cfg
+    for stages in range(min(SPLIT_STAGES, k // cfg.bk), cfg.stages, -1):
+        found = dataclasses.replace(cfg, stages=stages)
+        if not problems(m, n, k, spec, found):
+            return found
+    return cfg
 
 
 def staging(cfg: WgmmaConfig) -> WgmmaConfig:
