@@ -18,6 +18,16 @@ Prediction (device us, W cold): the pushed gather costs under 0.5 us; at M = 128
 8-stage ring takes FFN2's post-norm from the cluster kernel's ~17 to ~8-10 (torch.compile ~9-10),
 and the attention output's from ~8 to ~5.
 
+Outcome (H100, session 32, commit 1e8e401, ``../session32-h100-2026-12-07/small-m-1e8e401.json``,
+device us, w cold): correct everywhere (after the timing's launches too). FFN2's post-norm 10.3
+on 64 x 64 tiles split 4 ways on 8 stages (cluster kernel 18.3, torch.compile 10.1, cuBLAS's
+GEMM alone 7.0; no split on 8 stages 12.8, split 4 on 4 stages 11.3); the attention output's
+7.8 at best (64 x 128, no split, 8 stages; cluster kernel 8.2, torch.compile 6.8): refuted
+there. The plain GEMMs gained from the deeper ring more than from splits: 128 x 768 -> 768 3.9
+on 64 x 64 x 8 stages against 5.3 for the default's 64 x 128 x 4 (cuBLAS 3.8), split 4: 4.7;
+128 x 768 -> 3072 4.4 against 5.8 (cuBLAS 4.7). The defaults now follow
+(:func:`tvm_comfuse.schedule.wgmma_elementwise.split_config`, ``deeper``).
+
 Contenders per post-norm shape, one process, the same inputs, correctness checked first:
 cuBLAS's GEMM alone, torch.compile, the cluster kernel's default, the one-kernel split form per
 tile; per plain GEMM shape: cuBLAS and the wgmma GEMM per tile.
