@@ -488,6 +488,25 @@ def test_few_rows_split_k_over_a_cluster_and_gather_on_chip(m, k, n, split):
             we.wgmma_elementwise(m, n, k, we.Elementwise(), bad)
 
 
+def test_few_tiles_take_deeper_rings_and_many_tiles_keep_theirs():
+    """A few tiles (BERT at batch 1) stream w alone, so the defaults give them deeper rings: the
+    GEMM + elementwise kernel 64 x 64 tiles on 8 stages where those still fill under half the
+    SMs, else its tile on 8 stages; the cluster post-norm kernel up to 8 stages. At 4096 rows the
+    defaults are what they were (no split, at most 4 stages)."""
+    from tvm_comfuse.schedule import wgmma_elementwise as we, wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
+
+    plain = we.Elementwise()
+    few = {(768, 768): (64, 64, 8), (768, 3072): (64, 128, 8)}
+    for (k, n), tile in few.items():
+        cfg = we.default_config(128, n, k, plain)
+        assert (cfg.bm, cfg.bn, cfg.stages, cfg.split_k) == (*tile, 1) and we.few_tiles(128, n, cfg)
+        many = we.default_config(4096, n, k, plain)
+        assert not we.few_tiles(4096, n, many) and many.split_k == 1 and many.stages <= 4 and many.bm == 128
+    spec = wp.PostNorm.suite()
+    assert wp.default_config(768, 128, 3072, spec).stages == wp.FEW_CTAS_STAGES
+    assert wp.default_config(768, 4096, 3072, spec).stages <= 4
+
+
 @pytest.mark.parametrize("kernel", ["gemm", "gemm_one_step", "postnorm_768", "postnorm_768_bk32", "postnorm_512_cluster",
                                     "postnorm_1024", "rms_norm", "b2b", "b2b_bm64", "b2b_persistent", "postnorm_resident",
                                     "postnorm_two_rounds", "postnorm_2ctas", "postnorm_pingpong", "elementwise_pingpong",

@@ -259,7 +259,11 @@ def default_config(m: int, n: int, k: int, spec: Elementwise = Elementwise()) ->
     one-kernel split post-norm (:mod:`.row_exchange`) from 33.8 to 32.1 at 4096 x 3072 -> 768,
     14.8 to 13.6 at 4096 x 768 -> 768 and 20.9 to 19.8 at 4096 x 1024 -> 1024; at 4096 x 4096 ->
     1024, where 128 x 256 tiles keep three stages of four, 53.9 against 54.0 (the split's GEMM
-    alone: 51.6 against 52.5). Loaded before the first K step instead: 32.9, 14.2, 20.0, 54.6."""
+    alone: 51.6 against 52.5). Loaded before the first K step instead: 32.9, 14.2, 20.0, 54.6.
+
+    Where the chosen tiles fill under half the SMs (a few rows: :func:`few_tiles`), the default
+    takes 64 x 64 tiles, K split over a cluster where each split keeps enough of it
+    (:func:`split_config`), else its tile on a deeper ring (:func:`deeper`; session 32)."""
     best = None
     for (bm, bn), rate in TILES.items():
         for bk in (64, 32):

@@ -82,6 +82,8 @@ CLUSTER_SIZES = (1, 2, 3, 4, 8)
 DEFAULT_CLUSTER_SIZES = (1, 2, 4, 8)
 #: SMs of the sm_90 parts ComFuse targets (H100 SXM, H200): what ``default_config`` fills.
 SM_COUNT = 132
+#: Deepest ring of the default where its CTAs fill under half the SMs (:func:`default_config`).
+FEW_CTAS_STAGES = 8
 #: Clusters of a one-CTA-per-SM kernel the H200 runs at once, by cluster size
 #: (``cudaOccupancyMaxActiveClusters``, session 10: ``experiments/cluster_occupancy.py``; the
 #: H100 SXM gave the same counts in session 21): the grid of a kernel whose clusters loop over
@@ -340,7 +342,8 @@ def default_config(n: int, m: int | None = None, k: int | None = None, spec: Pos
     """A CTA owns ``bm`` rows (:data:`DEFAULT_ROWS` unless given) of a ``bn``-column slice of
     the row, ``n / bn`` CTAs of a cluster the whole row: the fewest slices whose accumulators fit one CTA's registers and,
     given ``m``, whose CTAs fill the SMs; in a slice the fewest warpgroups with wgmma N <= 256,
-    and the deepest ring (up to 4 stages, no deeper than ``k``'s K steps) that fits shared
+    and the deepest ring (up to 4 stages, :data:`FEW_CTAS_STAGES` where the CTAs fill under half
+    the SMs; no deeper than ``k``'s K steps) that fits shared
     memory beside the staged epilogue tiles of ``spec`` (given): ``bk`` 64 where three stages
     fit, else 32. Three, because a consumer holds two slots (the step it issues and the one in
     flight): with two the producer cannot load ahead, and on the H200 (session 9) the staged
@@ -367,8 +370,12 @@ def default_config(n: int, m: int | None = None, k: int | None = None, spec: Pos
         raise ComFuseError(f"wgmma post-norm cannot split a {bn}-column slice into warpgroup tiles (a multiple of 16 up to 256 each)")
     ring = WgmmaConfig(rows, bn, 2, 32, wg_n)  # staged where the tiles fit beside the smallest ring
     staged = staging(spec, ring) if spec is not None else Staging()
+    # a few CTAs (under half the SMs: a few rows) stream w alone, their loads in flight bounding
+    # their bandwidth: up to 8 stages (session 32, the split form's mainloop, w cold: 12.8 against
+    # 17.9 us at 128 x 3072 -> 768, 8.0 against 8.8 at 128 x 768 -> 768; this kernel: not measured)
+    few = isinstance(m, int) and -(-m // rows) * (n // bn) * 2 <= SM_COUNT
     for bk, least in ((64, 3), (32, 3), (32, 2)):
-        stages = min(4, (ring.smem_limit - staged.smem_bytes(ring)) // ((rows + bn) * bk * 2))
+        stages = min(FEW_CTAS_STAGES if few else 4, (ring.smem_limit - staged.smem_bytes(ring)) // ((rows + bn) * bk * 2))
         if k is not None:
             stages = min(stages, max(2, k // bk))
         if stages >= min(least, max(2, k // bk) if k is not None else least):
