@@ -35,6 +35,7 @@ tile; per plain GEMM shape: cuBLAS and the wgmma GEMM per tile.
 Run: ``bash .ci/gpu-run notebooks/results/experiments/small_m.py`` (``$OUT/small-m.json``).
 """
 
+import dataclasses
 import itertools
 
 import torch
@@ -45,7 +46,7 @@ from wgmma_gemm import build, error_text, save, timed  # the same directory: sys
 from tvm_comfuse.schedule import split_norm as sn
 from tvm_comfuse.schedule.wgmma_elementwise import Elementwise, problems as ew_problems, wgmma_elementwise
 from tvm_comfuse.schedule.wgmma_mainloop import WgmmaConfig
-from tvm_comfuse.schedule.wgmma_postnorm import PostNorm, problems as pn_problems, wgmma_postnorm
+from tvm_comfuse.schedule.wgmma_postnorm import PostNorm, default_config as pn_default, problems as pn_problems, wgmma_postnorm
 
 #: post-norm (M, K, N): BERT-base's FFN2 and attention output at batch 1, sequence 128
 POSTNORM = [(128, 3072, 768), (128, 768, 768)]
@@ -124,9 +125,12 @@ def postnorm(rows, gen):
         compiled = torch.compile(lambda a, w_: f.layer_norm(f.linear(a, w_, b) + r, (n,), g, be), dynamic=False)  # noqa: B023
         rows.append(run(dict(base, contender="inductor"), lambda a, w_: out.copy_(compiled(a, w_)), [(x, w_) for w_ in ws], out, ref))
         tv = lambda *ts: [tvm.runtime.from_dlpack(t) for t in ts]  # noqa: E731
-        if not pn_problems(m, n, k, spec):
-            kernel = build(wgmma_postnorm(m, n, k, spec))["main"]
-            rows.append(run(dict(base, contender="cluster_default"), kernel, [tv(x, w_, b, r, g, be, out) for w_ in ws], out, ref))
+        if not pn_problems(m, n, k, spec):  # the default (8 stages since session 32's runs), and on session 31's 4
+            default = pn_default(n, m, k, spec)
+            for name, cfg in (("cluster_default", default), ("cluster_s4", dataclasses.replace(default, stages=4))):
+                kernel = build(wgmma_postnorm(m, n, k, spec, cfg))["main"]
+                rows.append(run(dict(base, contender=name, config=dict(bn=cfg.bn, stages=cfg.stages, bk=cfg.bk)), kernel,
+                                [tv(x, w_, b, r, g, be, out) for w_ in ws], out, ref))
         for cfg in configs(m, n, k, TILES, lambda c: not sn.exchange_problems(m, n, k, spec, c)):  # noqa: B023
             bn, split = cfg.bn, cfg.split_k
             row = dict(base, contender=f"exchange_bn{bn}_k{split}_s{cfg.stages}", config=dict(bn=bn, split_k=split, stages=cfg.stages, bk=cfg.bk))
