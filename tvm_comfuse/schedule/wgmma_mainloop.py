@@ -117,10 +117,10 @@ class WgmmaConfig:
     #: (:mod:`.wgmma_elementwise`; the post-norm kernels walk rows their own way).
     group_rows: int = 0
     #: The K loop split over this many CTAs, a thread-block cluster, each a ``K / split_k`` part
-    #: (split-K): its rank 0 adds the others' fp32 partial tiles, read from their shared memory
-    #: (pushed into its shared memory: distributed shared memory), and runs the epilogue alone
-    #: (:mod:`.wgmma_elementwise`, :func:`.wgmma_elementwise.gather_split`). Why: at a few rows (BERT at batch 1: M = 128)
-    #: a GEMM has a handful of tiles, and split-K is how they fill the SMs.
+    #: (split-K): the others push their fp32 partial tiles into rank 0's shared memory
+    #: (distributed shared memory), which adds them and runs the epilogue alone
+    #: (:mod:`.wgmma_elementwise`, :func:`.wgmma_elementwise.gather_split`). Why: at a few rows
+    #: (BERT at batch 1: M = 128) a GEMM has a handful of tiles, and split-K is how they fill the SMs.
     split_k: int = 1
 
     @property
