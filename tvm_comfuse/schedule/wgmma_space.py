@@ -40,8 +40,8 @@ K_STEPS = (64, 32)
 #: Ping-pong consumer groups taking turns on a resident W (session 25: three or four, each with
 #: its staged set, so two or three epilogues run beside each mainloop).
 TURNS = (2, 3, 4)
-#: Split-K CTAs and ring depths of the GEMM + elementwise kernel where its default splits K (few tiles).
-SPLITS = (2, 4, 8)
+#: Split-K CTAs and ring depths of the GEMM + elementwise kernel where its default's tiles are few.
+SPLITS = (1, 2, 4, 8)
 SPLIT_STAGES = (4, 6, 8)
 
 
@@ -68,8 +68,9 @@ def elementwise_configs(m: int, n: int, k: int, spec: we.Elementwise) -> list[Wg
     17 and 23: one tile a CTA issues it once its ring is full) or not, the untuned default first
     (none where the kernel cannot take the shape).
     Ping-pong warpgroups are left out: on the H200 (session 16) their 64-row tiles were slower
-    than the default at every shape measured (3-35%). Where the default splits K (a few tiles:
-    :func:`~.wgmma_elementwise.split_config`), so do further candidates."""
+    than the default at every shape measured (3-35%). Where the default's tiles are few
+    (:func:`~.wgmma_elementwise.few_tiles`: a few rows), 64 x 64 and 64 x 128 tiles on rings of up
+    to 8 stages, K split over up to 8 CTAs, are candidates too."""
     default = we.default_config(m, n, k, spec)
     if default is None or we.problems(m, n, k, spec, default):
         return []
@@ -84,7 +85,7 @@ def elementwise_configs(m: int, n: int, k: int, spec: we.Elementwise) -> list[Wg
         register_stores = persistent and not spec.layout and not we.stages_output(spec, cfg)
         if cfg not in found and not register_stores and not we.problems(m, n, k, spec, cfg):
             found.append(cfg)
-    if default.split_k > 1:  # a few tiles (session 32): split-K over 2 to 8 CTAs, narrow tiles, deeper rings
+    if we.few_tiles(m, n, default):  # a few tiles (session 32): narrow tiles, deeper rings, split-K over 2 to 8 CTAs
         for bn, split, stages in itertools.product((64, 128), SPLITS, SPLIT_STAGES):
             cfg = WgmmaConfig(bm=64, bn=bn, stages=stages, bk=64, split_k=split)
             if cfg not in found and not we.problems(m, n, k, spec, cfg):
