@@ -45,7 +45,7 @@ from .chain import ACTIVATIONS, chain_value, np_chain, np_dtype
 from . import row_exchange
 from .staged_store import STAGE_BARRIER, box_cols, buffer_shape, drain, size, staged_at, staged_bytes, staged_store, tma_store
 from .wgmma_mainloop import TMA_LOAD, Ring, WgmmaConfig, box_rows, consumer_sync, fragment, mainloop, roles, tensor_map
-from .wgmma_postnorm import ACTIVE_CLUSTERS, SM_COUNT
+from .wgmma_postnorm import ACTIVE_CLUSTERS, FEW_CTAS_STAGES, SM_COUNT, few_ctas
 
 #: Row statistics the kernel can write beside its output (:attr:`Elementwise.stats`).
 STATS = ("", "layer_norm", "rms_norm", "softmax")
@@ -56,9 +56,6 @@ GROUP_ROWS = 16
 #: Least K a split-K CTA of the default takes (:func:`split_config`): 12 steps of 64, so that the
 #: ring fills and the gather's cost (one cluster barrier, its partials pushed) stays small beside it.
 SPLIT_MIN_K = 768
-#: Deepest ring of the default where its tiles are few (:func:`split_config`, :func:`deeper`): they
-#: stream w alone, and a CTA's loads in flight bound its bandwidth.
-SPLIT_STAGES = 8
 #: CTA tiles the default chooses from, with their throughput relative to 128 x 256 as plain
 #: GEMMs at 4096^3 on the H200 (session 8, ``wgmma-gemm-ws.json``: 0.77x cuBLAS for 128 x 256;
 #: 128 x 192 and 64 x 128 not measured there, interpolated).
@@ -300,9 +297,18 @@ def default_config(m: int, n: int, k: int, spec: Elementwise = Elementwise()) ->
 
 
 def few_tiles(m: int, n: int, cfg: WgmmaConfig) -> bool:
-    """Whether ``cfg``'s tiles fill less than half the SMs: where the K loop's latency, not the
-    tensor cores, bounds a CTA (BERT at batch 1: 128 rows)."""
-    return _padded(m, cfg.bm) // cfg.bm * (n // cfg.bn) * 2 <= SM_COUNT
+    """Whether ``cfg``'s tiles (one a CTA) are few (:func:`~.wgmma_postnorm.few_ctas`)."""
+    return few_ctas(_padded(m, cfg.bm) // cfg.bm * (n // cfg.bn))
+
+
+def _deepest(m: int, n: int, k: int, spec: Elementwise, cfg: WgmmaConfig, least: int) -> WgmmaConfig | None:
+    """``cfg`` on the deepest ring of at least ``least`` stages, up to :data:`FEW_CTAS_STAGES` and
+    no more than its K steps, that the kernel can run, or None."""
+    for stages in range(min(FEW_CTAS_STAGES, k // cfg.split_k // cfg.bk), least - 1, -1):
+        found = dataclasses.replace(cfg, stages=stages)
+        if not problems(m, n, k, spec, found):
+            return found
+    return None
 
 
 def split_config(m: int, n: int, k: int, spec: Elementwise, cfg: WgmmaConfig) -> WgmmaConfig | None:
@@ -310,7 +316,7 @@ def split_config(m: int, n: int, k: int, spec: Elementwise, cfg: WgmmaConfig) ->
     default takes instead, or None: K split over the most CTAs of a cluster (8, 4, 2 or none:
     ``WgmmaConfig.split_k``) that leave each at least :data:`SPLIT_MIN_K` of K and the grid one
     wave (as many clusters as run at once: a post-norm's one-kernel form needs every CTA
-    resident), on the deepest ring (up to :data:`SPLIT_STAGES`) that fits beside rank 0's
+    resident), on the deepest ring (up to :data:`~.wgmma_postnorm.FEW_CTAS_STAGES`) that fits beside rank 0's
     gathered partials; without a split, only where the 64 x 64 tiles are still few. Measured on
     the H100 (session 32, ``experiments/small_m.py``, w cold in L2 as in a model, device us):
     BERT-base's FFN2 post-norm at 128 rows (128 x 3072 -> 768) 10.3 on 4-way split-K against
@@ -322,27 +328,21 @@ def split_config(m: int, n: int, k: int, spec: Elementwise, cfg: WgmmaConfig) ->
     for split in (8, 4, 2, 1):
         if k % (split * 64) or k // split < min(SPLIT_MIN_K, k) or tiles * split > SM_COUNT or split > 1 and tiles > ACTIVE_CLUSTERS[split]:
             continue
-        if split == 1 and tiles * 2 > SM_COUNT:
+        if split == 1 and not few_ctas(tiles):
             return None
-        for stages in range(min(SPLIT_STAGES, k // split // 64), 1, -1):
-            found = WgmmaConfig(64, 64, stages, 64, split_k=split)
-            if not problems(m, n, k, spec, found):
-                return found
+        found = _deepest(m, n, k, spec, WgmmaConfig(64, 64, 2, 64, split_k=split), 2)
+        if found is not None:
+            return found
     return None
 
 
 def deeper(m: int, n: int, k: int, spec: Elementwise, cfg: WgmmaConfig) -> WgmmaConfig:
-    """``cfg`` on the deepest ring up to :data:`SPLIT_STAGES` (no deeper than K's steps) where its
-    tiles are few (:func:`few_tiles`): one CTA's loads in flight bound its bandwidth. Measured on
+    """``cfg`` on the deepest ring up to :data:`~.wgmma_postnorm.FEW_CTAS_STAGES` (no deeper than
+    K's steps) where its tiles are few (:func:`few_tiles`): one CTA's loads in flight bound its
+    bandwidth. Measured on
     the H100 (session 32, ``experiments/small_m.py``, w cold): 64 x 128 tiles at 128 x 768 ->
     768 took 4.4 us on 8 stages against 5.3 on 4, at 128 x 768 -> 3072 4.8 against 5.8."""
-    if not few_tiles(m, n, cfg):
-        return cfg
-    for stages in range(min(SPLIT_STAGES, k // cfg.bk), cfg.stages, -1):
-        found = dataclasses.replace(cfg, stages=stages)
-        if not problems(m, n, k, spec, found):
-            return found
-    return cfg
+    return (few_tiles(m, n, cfg) and _deepest(m, n, k, spec, cfg, cfg.stages + 1)) or cfg
 
 
 def staging(cfg: WgmmaConfig) -> WgmmaConfig:

@@ -82,8 +82,15 @@ CLUSTER_SIZES = (1, 2, 3, 4, 8)
 DEFAULT_CLUSTER_SIZES = (1, 2, 4, 8)
 #: SMs of the sm_90 parts ComFuse targets (H100 SXM, H200): what ``default_config`` fills.
 SM_COUNT = 132
-#: Deepest ring of the default where its CTAs fill under half the SMs (:func:`default_config`).
+#: Deepest ring of the Hopper kernels' defaults where their CTAs are few (:func:`few_ctas`): they
+#: stream w alone, and a CTA's loads in flight bound its bandwidth (session 32).
 FEW_CTAS_STAGES = 8
+
+
+def few_ctas(ctas: int) -> bool:
+    """Whether a grid of ``ctas`` one-per-SM CTAs fills at most half the SMs: where the K loop's
+    latency, not the tensor cores, bounds a CTA (a few rows: BERT at batch 1)."""
+    return 2 * ctas <= SM_COUNT
 #: Clusters of a one-CTA-per-SM kernel the H200 runs at once, by cluster size
 #: (``cudaOccupancyMaxActiveClusters``, session 10: ``experiments/cluster_occupancy.py``; the
 #: H100 SXM gave the same counts in session 21): the grid of a kernel whose clusters loop over
@@ -373,7 +380,7 @@ def default_config(n: int, m: int | None = None, k: int | None = None, spec: Pos
     # a few CTAs (under half the SMs: a few rows) stream w alone, their loads in flight bounding
     # their bandwidth: up to 8 stages (session 32, the split form's mainloop, w cold: 12.8 against
     # 17.9 us at 128 x 3072 -> 768, 8.0 against 8.8 at 128 x 768 -> 768; this kernel: not measured)
-    few = isinstance(m, int) and -(-m // rows) * (n // bn) * 2 <= SM_COUNT
+    few = isinstance(m, int) and few_ctas(-(-m // rows) * (n // bn))
     for bk, least in ((64, 3), (32, 3), (32, 2)):
         stages = min(FEW_CTAS_STAGES if few else 4, (ring.smem_limit - staged.smem_bytes(ring)) // ((rows + bn) * bk * 2))
         if k is not None:

@@ -42,7 +42,7 @@ K_STEPS = (64, 32)
 TURNS = (2, 3, 4)
 #: Split-K CTAs and ring depths of the GEMM + elementwise kernel where its default's tiles are few.
 SPLITS = (1, 2, 4, 8)
-SPLIT_STAGES = (4, 6, 8)
+FEW_TILE_STAGES = (4, 6, 8)
 
 
 def configs(m: int, n: int, k: int, spec: PostNorm) -> list[WgmmaConfig]:
@@ -86,7 +86,7 @@ def elementwise_configs(m: int, n: int, k: int, spec: we.Elementwise) -> list[Wg
         if cfg not in found and not register_stores and not we.problems(m, n, k, spec, cfg):
             found.append(cfg)
     if we.few_tiles(m, n, default):  # a few tiles (session 32): narrow tiles, deeper rings, split-K over 2 to 8 CTAs
-        for bn, split, stages in itertools.product((64, 128), SPLITS, SPLIT_STAGES):
+        for bn, split, stages in itertools.product((64, 128), SPLITS, FEW_TILE_STAGES):
             cfg = WgmmaConfig(bm=64, bn=bn, stages=stages, bk=64, split_k=split)
             if cfg not in found and not we.problems(m, n, k, spec, cfg):
                 found.append(cfg)

@@ -257,7 +257,7 @@ def fills_a_wave(m, n, k, spec) -> bool:
     the CTAs (not measured against each other there)."""
     from ..schedule import row_exchange, split_norm as sn, wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
 
-    return not sn.exchange_problems(m, n, k, spec) and 2 * row_exchange.tiles(m, n, sn.config(m, n, k, spec)) > wp.SM_COUNT
+    return not sn.exchange_problems(m, n, k, spec) and not wp.few_ctas(row_exchange.tiles(m, n, sn.config(m, n, k, spec)))
 
 
 def postnorm_kernel(m, n, k, spec, split: bool = False) -> tuple:
