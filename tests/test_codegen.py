@@ -534,10 +534,10 @@ def test_wgmma_kernels_read_accumulators_only_after_the_last_wait(kernel):
         "b2b": lambda: wb.wgmma_b2b(1024, 256, 1024, 1024, wb.B2B.mlp()),
         "b2b_bm64": lambda: wb.wgmma_b2b(1000, 64, 1024, 1024, wb.B2B.mlp(residual=True), wb.B2BConfig(64, 4, 64, 128, 2)),
         "b2b_persistent": lambda: wb.wgmma_b2b(65536, 128, 1024, 1024, wb.B2B.mlp(act="silu")),
-        "postnorm_resident": lambda: wp.wgmma_postnorm(16384, 1024, 256, ln, wm.WgmmaConfig(64, 256, 3, 64, 2, 1, True)),
+        "postnorm_resident": lambda: wp.wgmma_postnorm(16384, 1024, 256, ln, wm.WgmmaConfig(64, 256, 3, 64, 2, resident=True)),
         "postnorm_two_rounds": lambda: wp.wgmma_postnorm(4096, 768, 768, ln, one_round=False, params=False),
         "postnorm_2ctas": lambda: wp.wgmma_postnorm(4096, 1024, 256, ln, wm.WgmmaConfig(64, 256, 3, 32, 2, ctas_per_sm=2, producer_warps=1)),
-        "postnorm_pingpong": lambda: wp.wgmma_postnorm(16384, 768, 256, ln, wm.WgmmaConfig(64, 192, 4, 64, 1, 1, True, pingpong=True)),
+        "postnorm_pingpong": lambda: wp.wgmma_postnorm(16384, 768, 256, ln, wm.WgmmaConfig(64, 192, 4, 64, 1, resident=True, pingpong=True)),
         "elementwise_pingpong": lambda: we.wgmma_elementwise(4096, 4096, 1024, _ffn1(), wm.WgmmaConfig(64, 256, 7, 32, pingpong=True)),
         # one tile a CTA, the residual's TMA load issued inside the K loop (session 23)
         "elementwise_staged_mid": lambda: we.wgmma_elementwise(4096, 768, 3072, dataclasses.replace(sn.gemm_spec(ln), stats=""),
@@ -663,10 +663,10 @@ def test_wgmma_postnorm_resident_weight_loops_over_row_blocks():
 
     spec = wp.PostNorm.suite()
     cfg = wp.resident_config(1024, 16384, 256, spec, pingpong=False)
-    assert cfg == wm.WgmmaConfig(64, 256, 3, 64, 2, 1, True)
+    assert cfg == wm.WgmmaConfig(64, 256, 3, 64, 2, resident=True)
     # without ping-pong the default only where the ring holds a row block's four K steps (measured faster), not three
     assert not wp.resident_pays(cfg, 16384, 1024, 256)
-    assert wp.resident_pays(wm.WgmmaConfig(64, 192, 4, 64, 2, 1, True), 16384, 768, 256)
+    assert wp.resident_pays(wm.WgmmaConfig(64, 192, 4, 64, 2, resident=True), 16384, 768, 256)
     assert not wp.default_config(768, 16384, 256, spec, resident=False).resident
     assert cfg.smem_bytes == 3 * 64 * 64 * 2 and cfg.resident_bytes(256) == 256 * 256 * 2
     source = codegen.cuda_source(wm.build(wp.wgmma_postnorm(16384, 1024, 256, spec, cfg)))
@@ -691,7 +691,7 @@ def test_wgmma_postnorm_layer_norm_statistics_cross_the_cluster_once():
     counts = {name: (code.count("barrier.cluster.arrive"), code.count("bar.sync")) for name, code in
               (("ln", ptx(ln)), ("rms", ptx(rms)), ("ln_two_rounds", ptx(ln, one_round=False)))}
     assert counts["ln"] == counts["rms"] and counts["ln_two_rounds"] == (counts["ln"][0] + 1, counts["ln"][1] + 1)
-    res = wm.WgmmaConfig(64, 256, 3, 64, 2, 1, True)
+    res = wm.WgmmaConfig(64, 256, 3, 64, 2, resident=True)
     one, two = (ptx(ln, 16384, 1024, 256, cfg=res, one_round=r) for r in (True, False))
     assert one.count("mbarrier.arrive.expect_tx") == two.count("mbarrier.arrive.expect_tx") - 1  # one push round a block
 
@@ -746,7 +746,7 @@ def test_wgmma_postnorm_pingpong_groups_take_alternate_row_blocks():
     from tvm_comfuse.schedule import wgmma_mainloop as wm, wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
 
     spec = wp.PostNorm.suite()
-    cfg = wm.WgmmaConfig(64, 192, 4, 64, 1, 1, True, pingpong=True)
+    cfg = wm.WgmmaConfig(64, 192, 4, 64, 1, resident=True, pingpong=True)
     assert (cfg.consumers, cfg.slot_readers, cfg.threads) == (2, 1, 384) and wp.problems(16384, 768, 256, spec, cfg) == []
     source = codegen.cuda_source(wm.build(wp.wgmma_postnorm(16384, 768, 256, spec, cfg)))
     assert "turn_ptr[2]" in source and "xbar_ptr[8]" in source
@@ -757,11 +757,11 @@ def test_wgmma_postnorm_pingpong_groups_take_alternate_row_blocks():
     assert "(&(empty_ptr[0]))), (uint)1);" in source
     streaming = wm.WgmmaConfig(64, 192, 4, 64, 1, pingpong=True)
     assert any("ping-pong" in p for p in wp.problems(4096, 768, 768, spec, streaming))
-    assert any("ping-pong" in p for p in wp.problems(16384, 768, 256, spec, wm.WgmmaConfig(64, 192, 4, 64, 2, 1, True, pingpong=True)))
+    assert any("ping-pong" in p for p in wp.problems(16384, 768, 256, spec, wm.WgmmaConfig(64, 192, 4, 64, 2, resident=True, pingpong=True)))
     # the default where it measured faster (session 13), with the most groups that fit taking turns (session 25, H100:
     # 30.7 against 33.1 us, and 36.7 against 41.7 for two groups of 256 columns on five 32-deep stages, session 21's)
-    assert wp.default_config(768, 16384, 256, spec) == wm.WgmmaConfig(64, 192, 5, 64, 1, 1, True, pingpong=True, turns=3)
-    assert wp.default_config(1024, 16384, 256, spec) == wm.WgmmaConfig(64, 128, 6, 64, 1, 1, True, pingpong=True, turns=4)
+    assert wp.default_config(768, 16384, 256, spec) == wm.WgmmaConfig(64, 192, 5, 64, 1, resident=True, pingpong=True, turns=3)
+    assert wp.default_config(1024, 16384, 256, spec) == wm.WgmmaConfig(64, 128, 6, 64, 1, resident=True, pingpong=True, turns=4)
     # not where it is unmeasured and the resident kernel lost without it: eight-CTA clusters, 64-column slices
     assert not wp.default_config(1024, 16384, 512, spec).resident and not wp.default_config(256, 16384, 1024, spec).resident
     assert not wp.default_config(1024, 4096, 256, spec).resident  # two blocks a cluster
@@ -776,7 +776,7 @@ def test_wgmma_postnorm_resident_weight_refuses_what_it_cannot_hold():
     assert wp.resident_config(768, 4096, 3072, spec) is None
     with pytest.raises(cf.ComFuseError, match="no resident W slice fits"):
         wp.default_config(768, 4096, 3072, spec, resident=True)
-    cfg = wm.WgmmaConfig(64, 256, 3, 64, 2, 1, True)
+    cfg = wm.WgmmaConfig(64, 256, 3, 64, 2, resident=True)
     assert any("not staged whole" in p for p in wp.problems(16384, 1024, 256, spec, cfg, stage=False))
     assert any("shared memory" in p for p in wp.problems(16384, 1024, 512, spec, cfg))
 

@@ -305,6 +305,15 @@ def test_gpu_hopper_fuzz_cases_run_on_the_wgmma_kernel_and_agree(seed):
     assert rec["hopper"], rec["pattern"]
 
 
+def _config(cfg):
+    """A case's :class:`WgmmaConfig`: ``None`` (the default), the tile (``bm, bn, stages, bk,
+    wg_n``, a prefix) or a dict of its fields by name (the rest are keyword-only: a field added
+    later must not shift what a case meant)."""
+    from tvm_comfuse.schedule.wgmma_mainloop import WgmmaConfig  # pylint: disable=import-outside-toplevel
+
+    return cfg and (WgmmaConfig(**cfg) if isinstance(cfg, dict) else WgmmaConfig(*cfg))
+
+
 def _need_sm90(tvm):
     """The Hopper kernels issue wgmma, which only sm_90 runs."""
     if tvm.cuda(0).compute_version != "9.0":
@@ -329,7 +338,7 @@ def test_gpu_wgmma_mainloop_matches_torch(M, N, K, dtype, cfg):
     a = torch.randn(M, K, device="cuda", dtype=tdt, generator=g)
     b = torch.randn(N, K, device="cuda", dtype=tdt, generator=g) / K**0.5
     c = torch.full((M, N), float("nan"), device="cuda", dtype=tdt)
-    kernel = wm.build(wm.wgmma_gemm(M, N, K, dtype, wm.WgmmaConfig(*cfg)))["main"]
+    kernel = wm.build(wm.wgmma_gemm(M, N, K, dtype, _config(cfg)))["main"]
     kernel(*[tvm.runtime.from_dlpack(t) for t in (a, b, c)])
     assert (c.float() - a.float() @ b.float().T).abs().max().item() <= TOL[dtype]
 
@@ -344,29 +353,29 @@ def test_gpu_wgmma_mainloop_matches_torch(M, N, K, dtype, cfg):
     (128, 1024, 256, "bfloat16", "rms_norm", (128, 256, 3, 64, 1), None), (256, 512, 64, "float16", "layer_norm", (128, 128, 2, 64, 1), None),
     # a resident W (clusters loop over row blocks): uneven blocks a cluster (249 over 30), bf16,
     # 64-column slices, and one CTA a row (no cluster)
-    (15936, 1024, 256, "float16", "rms_norm", (64, 256, 3, 64, 2, 1, True), None),
-    (16384, 768, 256, "bfloat16", "layer_norm", (64, 192, 4, 64, 2, 1, True), None),
-    (8192, 256, 1024, "float16", "layer_norm", (64, 64, 4, 64, 2, 1, True), None),
-    (16384, 128, 128, "float16", "rms_norm", (64, 128, 4, 64, 2, 1, True), None),
+    (15936, 1024, 256, "float16", "rms_norm", dict(bm=64, bn=256, stages=3, bk=64, wg_n=2, resident=True), None),
+    (16384, 768, 256, "bfloat16", "layer_norm", dict(bm=64, bn=192, stages=4, bk=64, wg_n=2, resident=True), None),
+    (8192, 256, 1024, "float16", "layer_norm", dict(bm=64, bn=64, stages=4, bk=64, wg_n=2, resident=True), None),
+    (16384, 128, 128, "float16", "rms_norm", dict(bm=64, bn=128, stages=4, bk=64, wg_n=2, resident=True), None),
     # ping-pong consumer groups on a resident W (first correct on the H200 in session 13): uneven
     # blocks a cluster (so one group has a block more), bf16 LayerNorm, 64-column slices
-    (15936, 1024, 256, "float16", "rms_norm", (64, 256, 2, 64, 1, 1, True, 1, 0, True), None),
-    (16384, 768, 256, "bfloat16", "layer_norm", (64, 192, 4, 64, 1, 1, True, 1, 0, True), None),
-    (8192, 256, 1024, "float16", "layer_norm", (64, 64, 4, 64, 1, 1, True, 1, 0, True), None),
+    (15936, 1024, 256, "float16", "rms_norm", dict(bm=64, bn=256, stages=2, bk=64, resident=True, pingpong=True), None),
+    (16384, 768, 256, "bfloat16", "layer_norm", dict(bm=64, bn=192, stages=4, bk=64, resident=True, pingpong=True), None),
+    (8192, 256, 1024, "float16", "layer_norm", dict(bm=64, bn=64, stages=4, bk=64, resident=True, pingpong=True), None),
     # two CTAs an SM with a producer warp (session 12: correct, slower)
-    (4096, 1024, 256, "float16", "layer_norm", (64, 256, 3, 32, 2, 1, False, 2, 1), None),
+    (4096, 1024, 256, "float16", "layer_norm", dict(bm=64, bn=256, stages=3, bk=32, wg_n=2, ctas_per_sm=2, producer_warps=1), None),
     # softmax (session 25): ping-pong groups on a resident W (the default at 16384 rows), uneven
     # blocks a cluster in bf16; a cluster of streaming CTAs, staged and not; one CTA a row
     (16384, 1024, 256, "float16", "softmax", None, None),
-    (15936, 768, 256, "bfloat16", "softmax", (64, 192, 4, 64, 1, 1, True, 1, 0, True), None),
+    (15936, 768, 256, "bfloat16", "softmax", dict(bm=64, bn=192, stages=4, bk=64, resident=True, pingpong=True), None),
     (4096, 768, 768, "float16", "softmax", (64, 384, 3, 64, 2), None), (1000 // 64 * 64, 1024, 512, "bfloat16", "softmax", None, False),
     (256, 512, 64, "float16", "softmax", (128, 128, 2, 64, 1), None),
     # three and four groups taking turns (session 25) in eight-CTA clusters: uneven blocks a cluster
     # (249 over 15: the groups' counts differ), bf16 RMSNorm, softmax; three at 192 columns
-    (15936, 1024, 256, "float16", "layer_norm", (64, 128, 6, 64, 1, 1, True, 1, 0, True, 3), None),
-    (16384, 1024, 256, "bfloat16", "rms_norm", (64, 128, 4, 64, 1, 1, True, 1, 0, True, 4), None),
-    (16000, 1024, 256, "float16", "softmax", (64, 128, 6, 64, 1, 1, True, 1, 0, True, 3), None),
-    (16384, 768, 256, "float16", "layer_norm", (64, 192, 5, 64, 1, 1, True, 1, 0, True, 3), None),
+    (15936, 1024, 256, "float16", "layer_norm", dict(bm=64, bn=128, stages=6, bk=64, resident=True, pingpong=True, turns=3), None),
+    (16384, 1024, 256, "bfloat16", "rms_norm", dict(bm=64, bn=128, stages=4, bk=64, resident=True, pingpong=True, turns=4), None),
+    (16000, 1024, 256, "float16", "softmax", dict(bm=64, bn=128, stages=6, bk=64, resident=True, pingpong=True, turns=3), None),
+    (16384, 768, 256, "float16", "layer_norm", dict(bm=64, bn=192, stages=5, bk=64, resident=True, pingpong=True, turns=3), None),
 ])
 def test_gpu_wgmma_postnorm_matches_torch(M, N, K, dtype, norm, cfg, stage):
     """The fused Hopper post-norm (warp-specialised wgmma mainloop + register row epilogue, 64 or
@@ -380,7 +389,7 @@ def test_gpu_wgmma_postnorm_matches_torch(M, N, K, dtype, norm, cfg, stage):
     _need_sm90(tvm)
     x, w, b, r, g, be = _inputs(M, K, N, dtype, linear=True)
     out = torch.full((M, N), float("nan"), device="cuda", dtype=x.dtype)
-    kernel = wm.build(wp.wgmma_postnorm(M, N, K, wp.PostNorm.suite(dtype, norm), cfg and wm.WgmmaConfig(*cfg), stage=stage))["main"]
+    kernel = wm.build(wp.wgmma_postnorm(M, N, K, wp.PostNorm.suite(dtype, norm), _config(cfg), stage=stage))["main"]
     params = {"layer_norm": (g, be), "rms_norm": (g,), "softmax": ()}[norm]  # RMSNorm has no beta, softmax neither gamma
     kernel(*[tvm.runtime.from_dlpack(t) for t in (x, w, b, r, *params, out)])
     y = x.float() @ w.float().T + b.float() + r.float()
@@ -398,18 +407,18 @@ def test_gpu_wgmma_postnorm_matches_torch(M, N, K, dtype, norm, cfg, stage):
     (1000, 8192, 1024, "bfloat16", "rms_norm", None, False),  # ragged M, rows no cluster holds
     (4096, 768, 768, "float16", "layer_norm", None, True),  # 128 x 192 tiles, one a CTA; the float32 norm too
     (4096, 1024, 1024, "float16", "layer_norm", None, True),
-    (16384, 1024, 256, "float16", "layer_norm", (128, 128, 4, 64, 1, 1, False, 1, 0, False, True), False),
+    (16384, 1024, 256, "float16", "layer_norm", dict(bm=128, bn=128, stages=4, bk=64, persistent=True), False),
     # the residual loaded by TMA into the staging buffers (session 17): rows no tile divides, and many tiles a CTA
-    (1000, 8192, 1024, "bfloat16", "rms_norm", (128, 256, 3, 64, 1, 1, False, 1, 0, False, True, True), False),
-    (16384, 1024, 256, "float16", "layer_norm", (128, 256, 3, 64, 1, 1, False, 1, 0, False, True, True), False),
+    (1000, 8192, 1024, "bfloat16", "rms_norm", dict(bm=128, bn=256, stages=3, bk=64, persistent=True, stage_tiles=True), False),
+    (16384, 1024, 256, "float16", "layer_norm", dict(bm=128, bn=256, stages=3, bk=64, persistent=True, stage_tiles=True), False),
     # per-thread residual loads (the default stages it) on gpt-4k's grouped walk, the residual
     # loaded by TMA at N = 8192 (session 19: half the chain's cost)
-    (8192, 4096, 4096, "float16", "layer_norm", (128, 256, 3, 64, 1, 1, False, 1, 0, False, True, False, 16), False),
-    (4096, 8192, 1024, "float16", "layer_norm", (128, 256, 3, 64, 1, 1, False, 1, 0, False, True, True), True),
+    (8192, 4096, 4096, "float16", "layer_norm", dict(bm=128, bn=256, stages=3, bk=64, persistent=True, group_rows=16), False),
+    (4096, 8192, 1024, "float16", "layer_norm", dict(bm=128, bn=256, stages=3, bk=64, persistent=True, stage_tiles=True), True),
     # one wave of tiles, one a CTA, on the persistent kernel with the residual staged (session 21):
     # BERT-base's FFN2, and a ragged M whose last tile's rows past M read TMA's zeros
-    (4096, 768, 3072, "float16", "layer_norm", (128, 192, 4, 64, 1, 1, False, 1, 0, False, True, True), True),
-    (1000, 1024, 768, "bfloat16", "rms_norm", (128, 256, 3, 64, 1, 1, False, 1, 0, False, True, True), False),
+    (4096, 768, 3072, "float16", "layer_norm", dict(bm=128, bn=192, stages=4, bk=64, persistent=True, stage_tiles=True), True),
+    (1000, 1024, 768, "bfloat16", "rms_norm", dict(bm=128, bn=256, stages=3, bk=64, persistent=True, stage_tiles=True), False),
 ])
 def test_gpu_split_postnorm_matches_torch(M, N, K, dtype, norm, cfg, norm_out):
     """The split post-norm (:mod:`tvm_comfuse.schedule.split_norm`): the GEMM kernel writes the
@@ -426,7 +435,7 @@ def test_gpu_split_postnorm_matches_torch(M, N, K, dtype, norm, cfg, norm_out):
     x, w, b, r, g, be = _inputs(M, K, N, dtype, linear=True)
     r = r + 8
     spec = dataclasses.replace(wp.PostNorm.suite(dtype, norm), norm_out=norm_out)
-    gemm, norm_func, parts = sn.kernels(M, N, K, spec, cfg and wm.WgmmaConfig(*cfg))
+    gemm, norm_func, parts = sn.kernels(M, N, K, spec, _config(cfg))
     y = torch.full((M, N), float("nan"), device="cuda", dtype=x.dtype)
     stats = torch.full((M, parts, 2), float("nan"), device="cuda")
     outs = [torch.full((M, N), float("nan"), device="cuda", dtype=dt) for dt in [x.dtype] + ([torch.float32] if norm_out else [])]
@@ -639,7 +648,7 @@ def test_gpu_wgmma_elementwise_matches_torch(M, N, K, dtype, chain, cfg, lead, a
     operands = [torch.randn(N, device="cuda", generator=gen)]
     operands += [torch.randn(*(lead or (M,)), N, device="cuda", dtype=tdt, generator=gen)] if chain == "silu_residual" else []
     out = torch.full(spec.out_shape(lead or (M,), N), float("nan"), device="cuda", dtype=getattr(torch, spec.out_dtype))
-    cfg = cfg and (wm.WgmmaConfig(**cfg) if isinstance(cfg, dict) else wm.WgmmaConfig(*cfg))
+    cfg = _config(cfg)
     kernel = wm.build(we.wgmma_elementwise(M, N, K, spec, cfg, lead=lead, stage=stage))["main"]
     kernel(*[tvm.runtime.from_dlpack(t) for t in (x, w, *operands, out)])
     ref = _chain_reference(spec, x, w, operands)
@@ -648,15 +657,19 @@ def test_gpu_wgmma_elementwise_matches_torch(M, N, K, dtype, chain, cfg, lead, a
     assert (out.float() - ref.reshape(out.shape)).abs().max().item() <= TOL[dtype]
 
 
-@pytest.mark.parametrize("b, h, s, d, dtype, scale_op, masked", [
-    (32, 12, 128, 64, "float16", "multiply", False),  # BERT-base at batch 32 x 128
-    (4, 2, 64, 64, "float16", "multiply", False), (2, 4, 128, 128, "bfloat16", "divide", False),
-    (4, 4, 512, 64, "float16", "multiply", False), (1, 2, 1024, 128, "bfloat16", "multiply", False),  # key blocks
-    (4, 4, 256, 64, "float16", "multiply", True),  # a padding mask: each batch row's last keys masked out
-    (4, 4, 104, 64, "float16", "multiply", True), (2, 2, 200, 128, "bfloat16", "divide", False),  # no block divides S
-    (3, 2, 40, 64, "float16", "multiply", False),
+@pytest.mark.parametrize("b, h, s, d, dtype, scale_op, masked, rows", [
+    (32, 12, 128, 64, "float16", "multiply", False, 0),  # BERT-base at batch 32 x 128
+    (4, 2, 64, 64, "float16", "multiply", False, 0), (2, 4, 128, 128, "bfloat16", "divide", False, 0),
+    (4, 4, 512, 64, "float16", "multiply", False, 0), (1, 2, 1024, 128, "bfloat16", "multiply", False, 0),  # key blocks
+    (4, 4, 256, 64, "float16", "multiply", True, 0),  # a padding mask: each batch row's last keys masked out
+    (4, 4, 104, 64, "float16", "multiply", True, 0), (2, 2, 200, 128, "bfloat16", "divide", False, 0),  # no block divides S
+    (3, 2, 40, 64, "float16", "multiply", False, 0),
+    # 64 query rows a CTA at longer sequences (session 33, for few (batch, head) pairs): BERT-base
+    # at batch 1, several key blocks with a mask, and a sequence no block divides at head dim 128
+    (1, 12, 128, 64, "float16", "multiply", False, 64), (4, 4, 256, 64, "float16", "multiply", True, 64),
+    (2, 2, 200, 128, "bfloat16", "divide", False, 64),
 ])
-def test_gpu_wgmma_attention_matches_torch(b, h, s, d, dtype, scale_op, masked):
+def test_gpu_wgmma_attention_matches_torch(b, h, s, d, dtype, scale_op, masked, rows):
     """The fused attention kernel (written on CPU in session 14) against PyTorch's softmax
     attention in fp32: q and k in the projections' [B * S, H * D], v transposed per head; one
     block of keys, or several with the online softmax."""
@@ -666,7 +679,7 @@ def test_gpu_wgmma_attention_matches_torch(b, h, s, d, dtype, scale_op, masked):
 
     _need_sm90(tvm)
     spec = wa.Attention(b, h, s, d, dtype, dtype, 0.125 if scale_op == "multiply" else 8.0, scale_op, dtype,
-                        "keys" if masked else "", b)
+                        "keys" if masked else "", b, q_rows=rows)
     tdt = getattr(torch, dtype)
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=tdt, generator=gen) for _ in range(3))

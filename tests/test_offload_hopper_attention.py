@@ -190,10 +190,12 @@ def test_the_kernels_model_is_attention():
                                   wa.Attention(2, 4, 128, 128, "bfloat16", "bfloat16", 8.0, "divide"),
                                   wa.Attention(2, 16, 1024), wa.Attention(2, 4, 512, 128),
                                   wa.Attention(32, 12, 128, mask="keys", mask_batch=32),
-                                  wa.Attention(4, 2, 104, mask="keys", mask_batch=4), wa.Attention(2, 4, 200, 128), wa.Attention(2, 2, 32)])
+                                  wa.Attention(4, 2, 104, mask="keys", mask_batch=4), wa.Attention(2, 4, 200, 128), wa.Attention(2, 2, 32),
+                                  wa.Attention(1, 12, 128, q_rows=64), wa.Attention(2, 2, 200, 128, q_rows=64)])
 def test_attention_kernel_compiles_without_spills_or_hazards(spec):
     """BERT-base's attention (and a 64-key, a bf16 128-wide-head one, 512 and 1024 keys in
-    blocks, a padding mask, sequences no block divides): ptxas keeps the scores, probabilities and outputs in registers
+    blocks, a padding mask, sequences no block divides, 64 query rows a CTA at 128 and 200 keys):
+    ptxas keeps the scores, probabilities and outputs in registers
     without serialising the wgmmas, and no SASS
     instruction reads an accumulator a wgmma may still write; the softmax's quad reductions are
     shuffles."""

@@ -65,6 +65,10 @@ class Attention:
     mask: str = ""
     mask_batch: int = 1
     mask_dtype: str = "float32"
+    #: Query rows a CTA takes, 64 or 128 (0: :attr:`rows`' default). Why 64: at a few (batch, head)
+    #: pairs (BERT-base at batch 1: 12) 128-row CTAs fill 12 of 132 SMs; 64-row ones twice as
+    #: many, each warpgroup with an SM's tensor cores to itself (``experiments/small_m.py``).
+    q_rows: int = 0
 
     def problems(self) -> list:
         """What the kernel cannot compute of this description (empty if nothing)."""
@@ -79,14 +83,17 @@ class Attention:
             found.append(f"scaling by {self.scale_op!r} (multiply or divide)")
         if self.score_dtype not in ("float16", "bfloat16", "float32") or self.out_dtype not in ("float16", "bfloat16", "float32"):
             found.append(f"dtypes {self.score_dtype}, {self.out_dtype}")
+        if self.q_rows not in (0, 64, 128):
+            found.append(f"{self.q_rows} query rows a CTA (64 or 128: one or two consumer warpgroups)")
         if self.mask not in ("", "keys") or self.mask_batch not in (1, self.batch):
             found.append(f"mask {self.mask!r} of batch {self.mask_batch} (none, or keys: one per batch row or for all)")
         return found
 
     @property
     def rows(self) -> int:
-        """Query rows a CTA takes (64 per consumer warpgroup)."""
-        return 64 if self.seq <= 64 else 128
+        """Query rows a CTA takes (64 per consumer warpgroup): :attr:`q_rows`, else 64 where the
+        sequence is no longer, else 128."""
+        return self.q_rows or (64 if self.seq <= 64 else 128)
 
     @property
     def keys(self) -> int:

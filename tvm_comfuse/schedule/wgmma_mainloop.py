@@ -35,7 +35,7 @@ kernel may stream more than one GEMM's operands through it (:mod:`.wgmma_b2b`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 
 import tvm
 from tvm.script import tirx as T
@@ -68,6 +68,10 @@ class WgmmaConfig:
     stages: int = 4
     bk: int = 64
     wg_n: int = 1
+    #: The fields below are keyword-only: the tile above is positional, and a field added among
+    #: these later must not change what an existing call means (session 33: GPU test cases written
+    #: before ``turns`` and ``tile_step`` had come to mean ``turns = True`` and ``tile_step = 16``).
+    _: KW_ONLY
     #: wgmma groups a consumer keeps in flight while it waits for the next slot (0 or 1).
     inflight: int = 1
     #: B (the weight's ``bn``-row slice, all of K) is loaded once into shared memory beside the

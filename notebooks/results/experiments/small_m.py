@@ -28,9 +28,21 @@ on 64 x 64 x 8 stages against 5.3 for the default's 64 x 128 x 4 (cuBLAS 3.8), s
 128 x 768 -> 3072 4.4 against 5.8 (cuBLAS 4.7). The defaults now follow
 (:func:`tvm_comfuse.schedule.wgmma_elementwise.split_config`, ``deeper``).
 
+Session 33 (H100, commit 53cfdf7, ``../session33-h100-2026-12-07/small-m-53cfdf7.json``): the
+cluster post-norm kernel on 8 stages (its default since session 32) against 4: FFN2's 12.4
+against 17.5, the attention output's 7.1 against 8.1 (torch.compile 6.8); the rest as before
+within 0.1 us. In BERT-base at batch 1 that left 14 us to torch.compile (492.4 against 478.4),
+mostly FFN2's post-norm (10.3 a layer against cuBLAS's GEMM 5.7 + Triton's LayerNorm 1.6 in
+torch.compile's graph) and attention (4.75 against cuDNN's 4.15). Added since: FFN2's GEMM
+alone (how much of its post-norm's 10.3 is the epilogue) and the attention kernel on 64 query
+rows a CTA (``Attention.q_rows``: 24 CTAs at batch 1 where 128 rows make 12). Prediction:
+FFN2's GEMM alone ~7-8 on our best tile (the exchange and norm ~2.5-3 of the 10.3); attention
+at batch 1 ~3.5 on 64 rows against ~4.5 on 128 (PyTorch's ~4.1), at batch 4 no gain.
+
 Contenders per post-norm shape, one process, the same inputs, correctness checked first:
 cuBLAS's GEMM alone, torch.compile, the cluster kernel's default, the one-kernel split form per
-tile; per plain GEMM shape: cuBLAS and the wgmma GEMM per tile.
+tile; per plain GEMM shape: cuBLAS and the wgmma GEMM per tile; per attention shape: PyTorch's
+``scaled_dot_product_attention`` and the fused kernel on 128 and 64 query rows a CTA.
 
 Run: ``bash .ci/gpu-run notebooks/results/experiments/small_m.py`` (``$OUT/small-m.json``).
 """
@@ -44,14 +56,18 @@ import tvm
 from wgmma_gemm import build, error_text, save, timed  # the same directory: sys.path[0] when run as a script
 
 from tvm_comfuse.schedule import split_norm as sn
+from tvm_comfuse.schedule.wgmma_attention import Attention, wgmma_attention
 from tvm_comfuse.schedule.wgmma_elementwise import Elementwise, problems as ew_problems, wgmma_elementwise
 from tvm_comfuse.schedule.wgmma_mainloop import WgmmaConfig
 from tvm_comfuse.schedule.wgmma_postnorm import PostNorm, default_config as pn_default, problems as pn_problems, wgmma_postnorm
 
 #: post-norm (M, K, N): BERT-base's FFN2 and attention output at batch 1, sequence 128
 POSTNORM = [(128, 3072, 768), (128, 768, 768)]
-#: plain GEMM (M, K, N): the Q/K/V projections and FFN1 at batch 1
-GEMMS = [(128, 768, 768), (128, 768, 3072)]
+#: plain GEMM (M, K, N): the Q/K/V projections and FFN1 at batch 1, and FFN2's GEMM alone (what
+#: its post-norm's epilogue costs beyond it)
+GEMMS = [(128, 768, 768), (128, 768, 3072), (128, 3072, 768)]
+#: attention (batch, heads, sequence, head dim): BERT-base at batch 1 and 4
+ATTENTION = [(1, 12, 128, 64), (4, 12, 128, 64)]
 #: (column tile, split-K CTAs, most stages) tried, 64 rows each: post-norms, plain GEMMs
 TILES = [(bn, s, st) for bn in (128, 64) for s in (1, 2, 4, 8) for st in (4, 8)] + [(192, 1, 4), (192, 2, 8)]
 GEMM_TILES = [(bn, s, st) for bn in (128, 64, 32) for s in (1, 2, 4) for st in (4, 8)]
@@ -168,9 +184,32 @@ def gemms(rows, gen):
         save("small-m.json", rows)
 
 
+def attention(rows, gen):
+    """The fused attention on 128 and 64 query rows a CTA against PyTorch's fused attention (the
+    kernel torch.compile's graph calls), on q, k, v as BERT's projections write them."""
+    for b, h, s, d in ATTENTION:
+        q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.float16, generator=gen) for _ in range(3))
+        qh, kh, vh = (t.permute(0, 2, 1, 3) for t in (q, k, v))
+        ref = (torch.softmax(qh.float() @ kh.float().transpose(-1, -2) * 0.125, -1) @ vh.float()).permute(0, 2, 1, 3).reshape(b * s, h * d)
+        out = torch.empty(b * s, h * d, device="cuda", dtype=torch.float16)
+        base = dict(batch=b, heads=h, seq=s, head_dim=d, dtype="float16", op="attention")
+        print(f"attention {b} x {h} x {s} x {d}:", flush=True)
+        sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(qh, kh, vh)  # noqa: E731,B023
+        err = float((sdpa().float().permute(0, 2, 1, 3).reshape(b * s, h * d) - ref).abs().max())
+        rows.append(timed(dict(base, contender="torch_sdpa", max_abs_err=err), sdpa))  # its output in [B, H, S, D]: no copy timed
+        print(f"  torch_sdpa: {rows[-1]['kernel_us']:.1f} (err {err:.2g})", flush=True)
+        vt = v.permute(0, 2, 3, 1).contiguous().reshape(b * h * d, s)
+        args = [tvm.runtime.from_dlpack(t) for t in (q.reshape(b * s, h * d), k.reshape(b * s, h * d), vt, out)]
+        for q_rows in (128, 64):
+            kernel = build(wgmma_attention(Attention(b, h, s, d, q_rows=q_rows)))["main"]
+            rows.append(run(dict(base, contender=f"wgmma_rows{q_rows}", config=dict(q_rows=q_rows)), kernel, [args], out, ref))
+        save("small-m.json", rows)
+
+
 def main():
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(0)
+    attention(rows, gen)
     postnorm(rows, gen)
     gemms(rows, gen)
 
