@@ -583,6 +583,29 @@ def _chain_reference(spec, x, w, operands):
     return v
 
 
+def _chain_spec(chain, dtype, n, lead=None, axes=None):
+    """The GEMM + elementwise kernel's description of a named case chain: BERT's FFN1 (bias, GELU,
+    out in ``dtype``) and projection (bias, fp32 out; with ``axes`` in attention's head layout,
+    cast to ``dtype``), or bias + activation (+ a residual tile for ``silu_residual``)."""
+    from tvm_comfuse.schedule import wgmma_elementwise as we  # pylint: disable=import-outside-toplevel
+    from tvm_comfuse.schedule.chain import Step  # pylint: disable=import-outside-toplevel
+
+    act = {"ffn1": "gelu", "silu_residual": "silu"}.get(chain, chain)
+    if chain in ("ffn1", "projection"):
+        steps = (Step("cast", dtype), Step("cast", "float32"), Step("add", "float32", 0))
+        steps += (Step("gelu", "float32"), Step("cast", dtype)) if chain == "ffn1" else ()
+        spec = we.Elementwise(dtype, steps, (("float32", False),), dtype if chain == "ffn1" else "float32")
+        if axes:  # 12 heads of 64, as BERT-base's attention reads them, in fp16
+            dims = (*lead, n // 64, 64)
+            shape = [dims[a] for a in axes]
+            spec = we.Elementwise(dtype, steps + (Step("cast", dtype),), spec.operands, dtype,
+                                  (dims, axes, (shape[0] * shape[1], *shape[2:])))
+        return spec
+    steps = (Step("cast", "float32"), Step("add", "float32", 0), Step(act, dtype))
+    steps += (Step("add", dtype, 1),) if chain == "silu_residual" else ()
+    return we.Elementwise(dtype, steps, (("float32", False),) + (((dtype, True),) if chain == "silu_residual" else ()), dtype)
+
+
 @pytest.mark.parametrize("M, N, K, dtype, chain, cfg, lead, axes, stage", [
     (4096, 3072, 768, "float16", "ffn1", None, (32, 128), None, None),  # BERT-base's FFN1 on the default 128 x 256 tiles
     (4096, 768, 768, "float16", "projection", None, None, None, None),  # its Q/K/V projections: 128 x 192, fp32 out
@@ -624,23 +647,9 @@ def test_gpu_wgmma_elementwise_matches_torch(M, N, K, dtype, chain, cfg, lead, a
     import tvm  # pylint: disable=import-outside-toplevel
 
     from tvm_comfuse.schedule import wgmma_elementwise as we, wgmma_mainloop as wm  # pylint: disable=import-outside-toplevel
-    from tvm_comfuse.schedule.chain import Step  # pylint: disable=import-outside-toplevel
 
     _need_sm90(tvm)
-    act = {"ffn1": "gelu", "silu_residual": "silu"}.get(chain, chain)
-    if chain in ("ffn1", "projection"):
-        steps = (Step("cast", dtype), Step("cast", "float32"), Step("add", "float32", 0))
-        steps += (Step("gelu", "float32"), Step("cast", dtype)) if chain == "ffn1" else ()
-        spec = we.Elementwise(dtype, steps, (("float32", False),), dtype if chain == "ffn1" else "float32")
-        if axes:  # 12 heads of 64, as BERT-base's attention reads them, in fp16
-            dims = (*lead, N // 64, 64)
-            shape = [dims[a] for a in axes]
-            spec = we.Elementwise(dtype, steps + (Step("cast", dtype),), spec.operands, dtype,
-                                  (dims, axes, (shape[0] * shape[1], *shape[2:])))
-    else:
-        steps = (Step("cast", "float32"), Step("add", "float32", 0), Step(act, dtype))
-        steps += (Step("add", dtype, 1),) if chain == "silu_residual" else ()
-        spec = we.Elementwise(dtype, steps, (("float32", False),) + (((dtype, True),) if chain == "silu_residual" else ()), dtype)
+    spec = _chain_spec(chain, dtype, N, lead, axes)
     tdt = getattr(torch, dtype)
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(*(lead or (M,)), K, device="cuda", dtype=tdt, generator=gen)

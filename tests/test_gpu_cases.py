@@ -1,5 +1,5 @@
 """The GPU tests' cases, checked on CPU: every configuration a Hopper kernel case names is one that
-kernel still takes.
+kernel still takes (the post-norm, split post-norm and GEMM + elementwise kernels).
 
 Why: the GPU tests run only on the device, some sessions not at all, so a case that a later
 change makes the kernel refuse (or, before :class:`WgmmaConfig`'s options were keyword-only, a
@@ -13,7 +13,7 @@ import dataclasses
 import pytest
 
 import test_gpu  # the GPU cases (its tests are collected there, not here)
-from tvm_comfuse.schedule import split_norm as sn, wgmma_postnorm as wp
+from tvm_comfuse.schedule import split_norm as sn, wgmma_elementwise as we, wgmma_postnorm as wp
 
 
 def _cases(test):
@@ -35,4 +35,11 @@ def test_postnorm_cases_are_configurations_the_kernel_takes(case):
 def test_split_postnorm_cases_are_configurations_the_kernel_takes(case):
     spec = dataclasses.replace(wp.PostNorm.suite(case["dtype"], case["norm"]), norm_out=case["norm_out"])
     found = sn.problems(case["M"], case["N"], case["K"], spec, test_gpu._config(case["cfg"]))
+    assert not found, found
+
+
+@pytest.mark.parametrize("case", _cases(test_gpu.test_gpu_wgmma_elementwise_matches_torch))
+def test_elementwise_cases_are_configurations_the_kernel_takes(case):
+    spec = test_gpu._chain_spec(case["chain"], case["dtype"], case["N"], case["lead"], case["axes"])
+    found = we.problems(case["M"], case["N"], case["K"], spec, test_gpu._config(case["cfg"]))
     assert not found, found
