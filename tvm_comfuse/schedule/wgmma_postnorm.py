@@ -85,12 +85,6 @@ SM_COUNT = 132
 #: Deepest ring of the Hopper kernels' defaults where their CTAs are few (:func:`few_ctas`): they
 #: stream w alone, and a CTA's loads in flight bound its bandwidth (session 32).
 FEW_CTAS_STAGES = 8
-
-
-def few_ctas(ctas: int) -> bool:
-    """Whether a grid of ``ctas`` one-per-SM CTAs fills at most half the SMs: where the K loop's
-    latency, not the tensor cores, bounds a CTA (a few rows: BERT at batch 1)."""
-    return 2 * ctas <= SM_COUNT
 #: Clusters of a one-CTA-per-SM kernel the H200 runs at once, by cluster size
 #: (``cudaOccupancyMaxActiveClusters``, session 10: ``experiments/cluster_occupancy.py``; the
 #: H100 SXM gave the same counts in session 21): the grid of a kernel whose clusters loop over
@@ -102,6 +96,12 @@ SMEM_TOTAL = 227 * 1024
 #: Columns of one staged box: a 128-byte swizzled row of 2-byte elements (TMA's widest swizzle).
 BOX_COLS = 64
 TMA_STORE = "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group"
+
+
+def few_ctas(ctas: int) -> bool:
+    """Whether a grid of ``ctas`` one-per-SM CTAs fills at most half the SMs: where the K loop's
+    latency, not the tensor cores, bounds a CTA (a few rows: BERT at batch 1)."""
+    return 2 * ctas <= SM_COUNT
 
 
 @dataclass(frozen=True)
