@@ -33,6 +33,7 @@ from ..errors import ComFuseError
 from .chain import np_dtype
 from .wgmma_mainloop import (_PTX_TYPE, SMEM_LIMIT, TMA_LOAD, Ring, WgmmaConfig, box_rows, fragment, mainloop, roles,
                              tensor_map)
+from .wgmma_postnorm import few_ctas
 
 #: Keys a block of the online softmax holds: a row's scores in one warpgroup's registers beside
 #: the second GEMM's accumulators and fragments (KEYS / 2 + D / 2 + KEYS / 4 of them).
@@ -92,8 +93,11 @@ class Attention:
     @property
     def rows(self) -> int:
         """Query rows a CTA takes (64 per consumer warpgroup): :attr:`q_rows`, else 64 where the
-        sequence is no longer, else 128."""
-        return self.q_rows or (64 if self.seq <= 64 else 128)
+        sequence is no longer or where 128-row CTAs would be few (:func:`~.wgmma_postnorm.few_ctas`:
+        each warpgroup then has an SM to itself), else 128."""
+        if self.q_rows:
+            return self.q_rows
+        return 64 if self.seq <= 64 or few_ctas(self.batch * self.heads * -(-self.seq // 128)) else 128
 
     @property
     def keys(self) -> int:
