@@ -376,6 +376,19 @@ def test_gpu_wgmma_mainloop_matches_torch(M, N, K, dtype, cfg):
     (16384, 1024, 256, "bfloat16", "rms_norm", dict(bm=64, bn=128, stages=4, bk=64, resident=True, pingpong=True, turns=4), None),
     (16000, 1024, 256, "float16", "softmax", dict(bm=64, bn=128, stages=6, bk=64, resident=True, pingpong=True, turns=3), None),
     (16384, 768, 256, "float16", "layer_norm", dict(bm=64, bn=192, stages=5, bk=64, resident=True, pingpong=True, turns=3), None),
+    # x's tile multicast over the cluster (session 34): the resident default at 16384 x 256 -> 1024
+    # (eight ranks of 8 rows, four groups), three groups of 192 columns in bf16 with uneven blocks,
+    # softmax; streaming CTAs of two ranks (32 rows each), eight at 128 rows (BERT at batch 1), and
+    # 128-row CTAs on a 64-byte swizzle (four ranks of 32 rows)
+    (16384, 1024, 256, "float16", "layer_norm", dict(bm=64, bn=128, stages=6, bk=64, resident=True, pingpong=True, turns=4,
+                                                     multicast=True), None),
+    (15936, 768, 256, "bfloat16", "layer_norm", dict(bm=64, bn=192, stages=5, bk=64, resident=True, pingpong=True, turns=3,
+                                                     multicast=True), None),
+    (16000, 1024, 256, "float16", "softmax", dict(bm=64, bn=128, stages=6, bk=64, resident=True, pingpong=True, turns=3,
+                                                  multicast=True), None),
+    (4096, 768, 768, "float16", "layer_norm", dict(bm=64, bn=384, stages=3, bk=64, wg_n=2, multicast=True), None),
+    (128, 768, 3072, "float16", "rms_norm", dict(bm=64, bn=96, stages=8, bk=64, multicast=True), None),
+    (4096, 1024, 4096, "float16", "layer_norm", dict(bm=128, bn=256, stages=6, bk=32, multicast=True), None),
 ])
 def test_gpu_wgmma_postnorm_matches_torch(M, N, K, dtype, norm, cfg, stage):
     """The fused Hopper post-norm (warp-specialised wgmma mainloop + register row epilogue, 64 or

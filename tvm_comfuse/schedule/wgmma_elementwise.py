@@ -169,6 +169,8 @@ def problems(m: int, n: int, k: int, spec: Elementwise, cfg: WgmmaConfig | None 
             return found + [f"M, N, K = {m}, {n}, {k}: no tile of {sorted(TILES)} divides N with K a multiple of 32"]
     if cfg.resident:
         found.append("a resident B (the post-norm kernel's, for short K: here B streams through the ring)")
+    if cfg.multicast:
+        found.append("multicast (the post-norm kernel's: its cluster's CTAs share A's rows; here a cluster splits K)")
     if cfg.pingpong and (cfg.bm != 64 or cfg.wg_n != 1):
         found.append(f"ping-pong with {cfg.bm} x {cfg.bn} tiles of {cfg.wg_n} column warpgroups (one warpgroup a tile: bm = 64, wg_n = 1)")
     if cfg.turns != 2:

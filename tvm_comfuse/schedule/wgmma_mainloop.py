@@ -51,6 +51,9 @@ _PTX_TYPE = {"float16": "f16", "bfloat16": "bf16"}
 #: in a CUtensorMap (CU_TENSOR_MAP_SWIZZLE_64B = 2, _128B = 3).
 _SWIZZLE = {32: 2, 64: 3}
 TMA_LOAD = "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+#: The same load into the same offset of every CTA of the cluster in a 16-bit mask, completing
+#: bytes on each one's mbarrier at the same offset (:attr:`WgmmaConfig.multicast`).
+TMA_MULTICAST = TMA_LOAD + ".multicast::cluster"
 #: Registers the producer warpgroup keeps (setmaxnreg.dec): it only computes addresses.
 PRODUCER_REGS = 40
 #: Named barrier of the consumer warpgroups (0 is the CTA's ``__syncthreads``).
@@ -126,6 +129,14 @@ class WgmmaConfig:
     #: (:mod:`.wgmma_elementwise`, :func:`.wgmma_elementwise.gather_split`). Why: at a few rows
     #: (BERT at batch 1: M = 128) a GEMM has a handful of tiles, and split-K is how they fill the SMs.
     split_k: int = 1
+    #: The CTAs of a cluster that share A's rows (the post-norm kernel's column slices of one row
+    #: block: :mod:`.wgmma_postnorm`) load each A tile once for the cluster: rank ``r`` loads
+    #: ``bm / ranks`` of its rows by TMA multicast into every rank's ring slot, and a slot is
+    #: refilled once the consumers of every rank have released it (they arrive on each rank's
+    #: "empty" barrier). Why: otherwise every rank reads the same tile from L2, eight times over
+    #: at 16384 x 256 -> 1024, where A is the ring's only operand (a resident W) and the kernel
+    #: ran as fast on the H200 as on the H100, whose HBM is 30% slower (sessions 22, 30).
+    multicast: bool = False
 
     @property
     def slot_readers(self) -> int:
@@ -259,14 +270,16 @@ def tensor_map(rows: int, cols: int, box: int, bk: int, dtype: str):
 class Ring:
     """The mbarrier protocol of a ``stages``-deep ring shared by one producer thread and
     ``consumers`` warpgroups; step ``s`` uses slot ``s % stages`` in phase ``s // stages``.
-    Each method returns a tirx macro; ``full`` and ``empty`` are ``[stages]`` uint64 buffers."""
+    Each method returns a tirx macro; ``full`` and ``empty`` are ``[stages]`` uint64 buffers.
+    With ``ranks`` > 1 (:attr:`WgmmaConfig.multicast`) every rank's producer writes into every
+    rank's slots, so a slot's "empty" barrier counts the consumers of all ``ranks`` CTAs."""
 
-    def __init__(self, stages: int, consumers: int):
-        self.stages, self.consumers = stages, consumers
+    def __init__(self, stages: int, consumers: int, ranks: int = 1):
+        self.stages, self.consumers, self.ranks = stages, consumers, ranks
 
     def init(self):
         """``init(full, empty, tx)``: thread ``tx == 0`` initialises the barriers, then the CTA syncs."""
-        st, consumers = self.stages, self.consumers
+        st, consumers = self.stages, self.consumers * self.ranks
 
         # pylint: disable=invalid-name
         @T.macro
@@ -304,14 +317,20 @@ class Ring:
         return wait
 
     def release(self):
-        """``release(empty, step, tw)`` (consumers, after their reads of the slot completed):
-        one arrive per consumer warpgroup."""
-        st = self.stages
+        """``release(empty, step, tw, peer=None)`` (consumers, after their reads of the slot
+        completed): one arrive per consumer warpgroup, on the "empty" barrier of every rank
+        (``peer``: a uint32 register for its address, with more than one rank)."""
+        st, ranks = self.stages, self.ranks
 
         @T.macro
-        def release(empty, step, tw):
+        def release(empty, step, tw, peer=None):
             if tw == 0:
-                T.ptx.mbarrier.arrive.shared.b64(empty.ptr_to([step % st]), T.uint32(1))
+                if ranks == 1:
+                    T.ptx.mbarrier.arrive.shared.b64(empty.ptr_to([step % st]), T.uint32(1))
+                else:
+                    for q in T.unroll(ranks):
+                        T.ptx["mapa.shared::cluster.u32"](peer[0], T.cuda.cvta_generic_to_shared(empty.ptr_to([step % st])), T.uint32(q))
+                        T.ptx["mbarrier.arrive.release.cluster.shared::cluster.b64"](peer[0], T.uint32(1))
 
         return release
 
@@ -350,15 +369,17 @@ def consumer_sync(cfg: WgmmaConfig):
     return sync
 
 
-def mainloop(cfg: WgmmaConfig, k: int, dtype: str, during=None):
+def mainloop(cfg: WgmmaConfig, k: int, dtype: str, during=None, ranks: int = 1):
     """The K loop as two tirx macros, ``(produce, consume)``, over ring steps ``base .. base + k
     / bk - 1`` (``base`` 0 for one tile; a CTA that loops over tiles walks on, ``k / bk`` steps
     a tile, so slots and phases carry over):
 
-    - ``produce(A_map, B_map, S, W, full, empty, a_row, b_row, base, k0=0)``, by the producer's one
-      thread: K step ``kk`` loads rows ``[a_row, + bm)`` of A and ``[b_row, + bn)`` of B (not
-      where B is resident: :func:`load_resident`), columns ``[k0 + kk * bk, + bk)``, into slot
-      ``(base + kk) % stages`` of ``S`` (``[stages, bm + bn, bk]``; ``[stages, bm, bk]`` with B resident);
+    - ``produce(A_map, B_map, S, W, full, empty, a_row, b_row, base, k0=0, rank=0)``, by the
+      producer's one thread: K step ``kk`` loads rows ``[a_row, + bm)`` of A and ``[b_row, + bn)``
+      of B (not where B is resident: :func:`load_resident`), columns ``[k0 + kk * bk, + bk)``, into
+      slot ``(base + kk) % stages`` of ``S`` (``[stages, bm + bn, bk]``; ``[stages, bm, bk]`` with B
+      resident); with ``cfg.multicast``, A's rows ``[a_row + rank * bm / ranks, + bm / ranks)``
+      only, into the slot of each of the cluster's ``ranks`` CTAs (``A_map``'s boxes that many rows);
     - ``consume(S, W, full, empty, acc, da, db, cw, tw, base)``, by consumer warpgroup ``cw``
       (thread ``tw`` of it): ``acc`` (``wg_cols / 2`` fp32 per thread) ends holding the thread's
       share of the warpgroup's ``64 x wg_cols`` tile of ``A @ B.T``, B read from the ring or from
@@ -373,18 +394,24 @@ def mainloop(cfg: WgmmaConfig, k: int, dtype: str, during=None):
     mma = f"wgmma.mma_async.sync.aligned.m64n{wg_cols}k16.f32.{_PTX_TYPE[dtype]}.{_PTX_TYPE[dtype]}"
     sbo = 8 * bk * 2 >> 4  # 8 swizzled rows between core-matrix groups, in 16-byte units
     a_box, b_box = box_rows(bm), box_rows(bn)
-    ring = Ring(st, cfg.consumers)
+    ranks = ranks if cfg.multicast else 1
+    ring = Ring(st, cfg.consumers, ranks)
     acquire, wait, release = ring.acquire(), ring.wait(), ring.release()
+    a_part, mask = bm // ranks, (1 << ranks) - 1  # with multicast: a rank's rows of A, and every rank
     tail = min(kt, cfg.inflight + 1)  # steps whose slots are released after the loop
 
     # pylint: disable=invalid-name
     @T.macro
-    def produce(A_map, B_map, S, W, full, empty, a_row, b_row, base, k0=0):
+    def produce(A_map, B_map, S, W, full, empty, a_row, b_row, base, k0=0, rank=0):
         for kk in T.serial(kt):
-            acquire(full, empty, base + kk, cfg.smem_bytes // st)  # one slot's bytes
-            for j in T.unroll(bm // a_box):
-                T.ptx[TMA_LOAD](S.ptr_to([(base + kk) % st, j * a_box, 0]), T.address_of(A_map), k0 + kk * bk, a_row + j * a_box,
-                                full.ptr_to([(base + kk) % st]))
+            acquire(full, empty, base + kk, cfg.smem_bytes // st)  # one slot's bytes (with multicast: from every rank)
+            if ranks > 1:
+                T.ptx[TMA_MULTICAST](S.ptr_to([(base + kk) % st, rank * a_part, 0]), T.address_of(A_map), k0 + kk * bk,
+                                     a_row + rank * a_part, full.ptr_to([(base + kk) % st]), T.uint16(mask))
+            else:
+                for j in T.unroll(bm // a_box):
+                    T.ptx[TMA_LOAD](S.ptr_to([(base + kk) % st, j * a_box, 0]), T.address_of(A_map), k0 + kk * bk, a_row + j * a_box,
+                                    full.ptr_to([(base + kk) % st]))
             if not res:
                 for j in T.unroll(bn // b_box):
                     T.ptx[TMA_LOAD](S.ptr_to([(base + kk) % st, bm + j * b_box, 0]), T.address_of(B_map), k0 + kk * bk, b_row + j * b_box,
@@ -407,19 +434,20 @@ def mainloop(cfg: WgmmaConfig, k: int, dtype: str, during=None):
 
     @T.macro
     def consume(S, W, full, empty, acc, da, db, cw, tw, base, extra=None):
+        peer = T.alloc_local([1], "uint32") if ranks > 1 else T.meta_var(None)  # a peer's barrier (multicast)
         for kk in T.serial(kt - 1):
             if during is not None:
                 during(kk, extra)
             step(S, W, full, acc, da, db, cw, kk, base)
             T.ptx["wgmma.wait_group.sync.aligned"](cfg.inflight)  # step kk - inflight's group is done: its slot is free
             if kk >= cfg.inflight:
-                release(empty, base + kk - cfg.inflight, tw)
+                release(empty, base + kk - cfg.inflight, tw, peer)
         if during is not None:
             during(kt - 1, extra)
         step(S, W, full, acc, da, db, cw, kt - 1, base)
         T.ptx["wgmma.wait_group.sync.aligned"](0)
         for j in T.unroll(tail):
-            release(empty, base + kt - tail + j, tw)
+            release(empty, base + kt - tail + j, tw, peer)
 
     return produce, consume
 

@@ -432,6 +432,10 @@ def problems(m, n, k, spec: PostNorm, cfg: WgmmaConfig | None = None, stage: boo
         found.append("stage_tiles = True (the GEMM + elementwise kernel's knob: this kernel stages its tiles by Staging)")
     if cfg.split_k != 1:
         found.append(f"split_k = {cfg.split_k} (the GEMM + elementwise kernel's knob: this kernel's clusters slice the row)")
+    ranks = n // cfg.bn if cfg.bn and n % cfg.bn == 0 else 1
+    if cfg.multicast and (ranks == 1 or (cfg.bm // ranks) % 8):
+        found.append(f"multicast over {ranks} CTA(s) of {cfg.bm} rows (a cluster of 2 or more, each loading a multiple of 8 "
+                     f"of the tile's rows: one swizzle atom)")
     return found + cfg.problems(m, n, k, spec.dtype)
 
 
@@ -461,9 +465,9 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
     grid, bufs = (min(blocks, ACTIVE_CLUSTERS[ranks]) if res else blocks), staged_sets(cfg)
     ring_elems, tile_bytes = cfg.smem_bytes // 2, bm * slice_n * 2
     staged_elems = stg.smem_bytes(cfg) // 2
-    produce, consume = mainloop(cfg, k, spec.dtype)
+    produce, consume = mainloop(cfg, k, spec.dtype, ranks=ranks)
     load_w = load_resident(cfg, k)
-    init = Ring(cfg.stages, cfg.slot_readers).init()
+    init = Ring(cfg.stages, cfg.slot_readers, ranks if cfg.multicast else 1).init()
     producer, consumer = roles(cfg)
     sync = consumer_sync(cfg)
     pingpong, turns = cfg.pingpong, groups(cfg)
@@ -473,7 +477,9 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
     shape = [(*lead, n) if tile else (n,) for _, tile in spec.operands]
     shape2 = [(m, n) if tile else (n,) for _, tile in spec.operands]
     # tensor maps: the GEMM's operands in the ring's boxes, the staged tiles in 64 x 64 boxes
-    maps = {"x": tensor_map(m, k, box_rows(bm), cfg.bk, spec.dtype), "w": tensor_map(n, k, box_rows(slice_n), cfg.bk, spec.dtype)}
+    # (with multicast, a rank loads its share of the rows of x's tile for the whole cluster)
+    x_box = bm // ranks if cfg.multicast else box_rows(bm)
+    maps = {"x": tensor_map(m, k, x_box, cfg.bk, spec.dtype), "w": tensor_map(n, k, box_rows(slice_n), cfg.bk, spec.dtype)}
     maps.update({f"p{j}": tensor_map(m, n, 64, BOX_COLS, spec.operands[j][0]) for j in stg.tiles})
     if stg.store:
         maps["out"] = tensor_map(m, n, 64, BOX_COLS, spec.out_dtype)
@@ -799,12 +805,14 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
                 if params:
                     T.ptx.mbarrier.init.shared.b64(pfull.ptr_to([0]), T.uint32(32))
             init(full, empty, wg * 128 + tw)
+            if cfg.multicast:
+                T.cuda.cluster_sync()  # every rank's ring exists before a peer's loads land in it
             if wg == 0:
                 producer()
                 if tw == 0:
                     if len(stg.tiles) > 0:
                         stage_in(t0_map, t1_map, R, rfull, bx, rk, 0)
-                    produce(x_map, w_map, S, S, full, empty, bx * bm, rk * slice_n, 0)
+                    produce(x_map, w_map, S, S, full, empty, bx * bm, rk * slice_n, 0, 0, rk)
                 if params:
                     load_params(P0, P1, gamma, beta, E0, E1, Eg, pfull, tw, rk)
             else:
@@ -843,7 +851,7 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
                 if tw == 0:  # the W slice once, then A block after block through the ring
                     load_w(w_map, W, wfull, rk * slice_n)
                     for it in T.serial(iters):
-                        produce(x_map, w_map, S, W, full, empty, (bx + it * grid) * bm, rk * slice_n, it * kt)
+                        produce(x_map, w_map, S, W, full, empty, (bx + it * grid) * bm, rk * slice_n, it * kt, 0, rk)
                 if tw == 32:  # the staged tiles, a block ahead (a second warp: its waits do not hold up A)
                     for it in T.serial(iters):
                         T.cuda.mbarrier_wait(remp.ptr_to([it % bufs]), (it // bufs) % 2 ^ 1)
