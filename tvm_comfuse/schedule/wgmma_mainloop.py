@@ -330,7 +330,7 @@ class Ring:
                 else:
                     for q in T.unroll(ranks):
                         T.ptx["mapa.shared::cluster.u32"](peer[0], T.cuda.cvta_generic_to_shared(empty.ptr_to([step % st])), T.uint32(q))
-                        T.ptx["mbarrier.arrive.release.cluster.shared::cluster.b64"](peer[0], T.uint32(1))
+                        T.ptx["mbarrier.arrive.shared::cluster.b64"](peer[0], T.uint32(1))  # (release.cta, as CUTLASS: .cluster fences the GPU)
 
         return release
 
