@@ -781,6 +781,40 @@ def test_wgmma_postnorm_resident_weight_refuses_what_it_cannot_hold():
     assert any("shared memory" in p for p in wp.problems(16384, 1024, 512, spec, cfg))
 
 
+@pytest.mark.parametrize("M, K, N, resident", [(16384, 256, 1024, None), (4096, 768, 768, False)])
+def test_wgmma_postnorm_multicast_loads_x_once_for_the_cluster(M, K, N, resident):
+    """With ``multicast`` (session 34) each rank loads ``bm / ranks`` rows of x's tile by TMA
+    multicast into every rank's slot (one load a K step, the whole cluster in its mask), and its
+    consumers release a slot on every rank's "empty" barrier, which counts all ranks' consumers;
+    those remote arrives are ``release.cta`` (``.release.cluster`` put a MEMBAR.ALL.GPU before each:
+    7x slower on the H100), and the kernel keeps the default's registers, no spills, no hazards.
+    Refused without a cluster, with fewer than 8 rows a rank, and in the GEMM + elementwise kernel."""
+    import dataclasses  # pylint: disable=import-outside-toplevel
+
+    from tvm_comfuse.schedule import wgmma_elementwise as we, wgmma_mainloop as wm, wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
+
+    spec = wp.PostNorm.suite()
+    base = wp.default_config(N, M, K, spec, resident=resident)
+    cfg, ranks = dataclasses.replace(base, multicast=True), N // base.bn
+    assert wp.problems(M, N, K, spec, cfg) == []
+    source = codegen.cuda_source(wm.build(wp.wgmma_postnorm(M, N, K, spec, cfg)))
+    ptx = codegen.compile_with_nvcc(source, "sm_90a", fmt="ptx").decode()
+    loads = re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global\S*", ptx)
+    assert "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster" in loads
+    assert f"(ushort){(1 << ranks) - 1});" in source  # every rank in the mask
+    assert f"(&(empty_ptr[0]))), (uint){ranks * base.slot_readers});" in source  # every rank's consumers release a slot
+    assert ptx.count("mbarrier.arrive.shared::cluster.b64") >= ranks and "arrive.release.cluster" not in ptx
+    sass = codegen.sass(codegen.compile_with_nvcc(source, "sm_90a"))
+    plain = codegen.sass(codegen.compile_with_nvcc(codegen.cuda_source(wm.build(wp.wgmma_postnorm(M, N, K, spec, base))), "sm_90a"))
+    assert sass.count("MEMBAR.ALL.GPU") <= plain.count("MEMBAR.ALL.GPU") + 1  # (the streaming kernel's cluster barrier after init)
+    usage = codegen.ptxas_usage(source)
+    assert usage["spill"] == 0 and codegen.wgmma_hazards(sass) == []
+    assert any("multicast over 1 CTA" in p for p in wp.problems(M, base.bn, K, spec, cfg))
+    assert any("multiple of 8" in p for p in wp.problems(128, 1024, 256, spec, wm.WgmmaConfig(64, 64, 4, 64, 1, multicast=True)))
+    assert any("multicast" in p for p in we.problems(4096, 768, 768, we.Elementwise("float16", (), (), "float16"),
+                                                     wm.WgmmaConfig(128, 128, 4, multicast=True)))
+
+
 @pytest.mark.parametrize("dtype, bits, low, top", [("float16", 11, -24, 65504.0), ("bfloat16", 8, -133, 3.3895313892515355e38)])
 def test_sixteen_bit_adds_equal_the_fp32_sum_rounded(dtype, bits, low, top):
     """The post-norm chain adds 16-bit operands to a value already rounded to 16 bits with one
