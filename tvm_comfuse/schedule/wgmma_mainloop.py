@@ -133,9 +133,12 @@ class WgmmaConfig:
     #: block: :mod:`.wgmma_postnorm`) load each A tile once for the cluster: rank ``r`` loads
     #: ``bm / ranks`` of its rows by TMA multicast into every rank's ring slot, and a slot is
     #: refilled once the consumers of every rank have released it (they arrive on each rank's
-    #: "empty" barrier). Why: otherwise every rank reads the same tile from L2, eight times over
-    #: at 16384 x 256 -> 1024, where A is the ring's only operand (a resident W) and the kernel
-    #: ran as fast on the H200 as on the H100, whose HBM is 30% slower (sessions 22, 30).
+    #: "empty" barrier). Why it was tried: otherwise every rank reads the same tile from L2, eight
+    #: times over at 16384 x 256 -> 1024, where A is the ring's only operand (a resident W) and the
+    #: kernel ran as fast on the H200 as on the H100, whose HBM is 30% slower (sessions 22, 30).
+    #: Measured slower at all seven shapes tried (H100, session 34, ``experiments/multicast.py``):
+    #: 38.5 against 36.3 us there, 0.8-35% elsewhere; each slot now waits for the slowest rank's
+    #: release. Correct (GPU tests), opt-in, not in the tuning space.
     multicast: bool = False
 
     @property

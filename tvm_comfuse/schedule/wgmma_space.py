@@ -12,7 +12,8 @@ MetaSchedule can measure the rest on the user's GPU (issues 4 and 8). The knobs 
 
 Left out, measured slower on the H200 and kept as opt-in knobs: two CTAs an SM and producer
 warps (session 12: both spill or lose their overlap), ``inflight = 0`` (session 8), clusters of
-three (allowed, with 39 active clusters, but never faster in session 12), and more than
+three (allowed, with 39 active clusters, but never faster in session 12), x's tile multicast over
+the cluster (``multicast``: slower at all seven shapes tried on the H100, session 34), and more than
 :data:`~.wgmma_postnorm.MAX_CONSUMERS` consumer warpgroups a tile (``bm = 128`` with ``wg_n =
 2``): in session 13's H200 tuning logs every one of those 51 candidates was 1.48-5.3x slower than
 its shape's best, and one of them, 128 x 96 tiles with a three-stage ring of 32-deep K steps,

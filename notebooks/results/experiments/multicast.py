@@ -14,6 +14,27 @@ within 3% at the streaming shapes (two ranks, x a seventh of a slot's bytes besi
 at 128 rows (BERT at batch 1: eight ranks of 96 columns, x 40% of a slot) a few percent faster.
 All correct with the default's error.
 
+Outcome (H100, session 34, ``../session34-h100-2026-12-08/multicast-b93472b.json``, device us):
+**refuted: slower at all seven shapes**, all correct with the default's error.
+
+| M x K -> N | ranks | cuBLAS | torch.compile | default | multicast |
+|---|---|---|---|---|---|
+| 16384 x 256 -> 1024 (resident W) | 8 | 21.0 | 58.1 | **36.3** | 38.5 |
+| 16384 x 256 -> 768 (resident W) | 4 | 16.4 | 40.4 | **30.5** | 30.7 |
+| 4096 x 768 -> 768 | 2 | 9.2 | 15.2 | **13.7** | 14.7 |
+| 4096 x 3072 -> 768 | 2 | 27.0 | 33.4 | **37.5** | 41.7 |
+| 4096 x 4096 -> 1024 | 2 | 45.2 | 53.7 | **60.8** | 67.1 |
+| 128 x 768 -> 768 | 8 | 3.4 | 5.1 | **6.7** | 7.8 |
+| 128 x 3072 -> 768 | 8 | 6.4 | 8.3 | **12.0** | 15.2 |
+
+(The suite's streaming shapes run other kernels in the pipeline: these rows compare the cluster
+kernel with itself.) L2's re-reads of x were not what bound these kernels; with multicast every
+slot waits for the slowest rank's consumers before any rank refills it, which couples the
+ranks' K loops. The first version (``multicast-membar-060f836.json``) was 1.8-13x slower: its
+remote arrives were ``mbarrier.arrive.release.cluster``, which ptxas preceded with a
+``MEMBAR.ALL.GPU`` each; CUTLASS's ``release.cta`` form has none. ``multicast`` stays an opt-in
+knob, out of the tuning space.
+
 Same inputs for every contender, correctness checked before timing; ``kernel_us`` is the
 profiler's device time per call. Run on the GPU:
 ``bash .ci/gpu-run notebooks/results/experiments/multicast.py`` (writes ``$OUT/multicast.json``).

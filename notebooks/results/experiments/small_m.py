@@ -39,6 +39,13 @@ rows a CTA (``Attention.q_rows``: 24 CTAs at batch 1 where 128 rows make 12). Pr
 FFN2's GEMM alone ~7-8 on our best tile (the exchange and norm ~2.5-3 of the 10.3); attention
 at batch 1 ~3.5 on 64 rows against ~4.5 on 128 (PyTorch's ~4.1), at batch 4 no gain.
 
+Session 34 (H100, commit b93472b, ``../session34-h100-2026-12-08/small-m-b93472b.json``; the
+call's 150 s limit cut it in the GEMM section, before FFN2's GEMM alone): attention on 64 rows
+3.30 us against 4.76 on 128 at batch 1 (PyTorch 4.73), 3.74 against 5.03 at batch 4 (PyTorch
+4.97). Batch 1's prediction held; batch 4's "no gain" was refuted (26% faster: 96 CTAs of one
+warpgroup against 48 of two). The default since takes 64 rows where 128-row CTAs fill at most
+half the SMs (``Attention.rows``). The post-norm rows repeat session 33's within 0.5 us.
+
 Contenders per post-norm shape, one process, the same inputs, correctness checked first:
 cuBLAS's GEMM alone, torch.compile, the cluster kernel's default, the one-kernel split form per
 tile; per plain GEMM shape: cuBLAS and the wgmma GEMM per tile; per attention shape: PyTorch's
