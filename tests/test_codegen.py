@@ -490,19 +490,23 @@ def test_few_rows_split_k_over_a_cluster_and_gather_on_chip(m, k, n, split):
 
 def test_few_tiles_take_deeper_rings_and_many_tiles_keep_theirs():
     """A few tiles (BERT at batch 1) stream w alone, so the defaults give them deeper rings: the
-    GEMM + elementwise kernel 64 x 64 tiles on 8 stages where those still fill under half the
-    SMs, else its tile on 8 stages; the cluster post-norm kernel up to 8 stages. At 4096 rows the
-    defaults are what they were (no split, at most 4 stages)."""
-    from tvm_comfuse.schedule import wgmma_elementwise as we, wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
+    GEMM + elementwise kernel 64 x 64 tiles on 8 stages where those are one wave at most (session
+    34: FFN1's 96), else its tile on 8 stages; a post-norm's split GEMM 64 x 64 tiles only where
+    those still fill under half the SMs (its tile count routes the group); the cluster post-norm
+    kernel up to 8 stages. At 4096 rows the defaults are what they were (no split, at most 4 stages)."""
+    from tvm_comfuse.schedule import split_norm as sn, wgmma_elementwise as we, wgmma_postnorm as wp  # pylint: disable=import-outside-toplevel
 
     plain = we.Elementwise()
-    few = {(768, 768): (64, 64, 8), (768, 3072): (64, 128, 8)}
+    few = {(768, 768): (64, 64, 8), (768, 3072): (64, 64, 8)}
     for (k, n), tile in few.items():
         cfg = we.default_config(128, n, k, plain)
-        assert (cfg.bm, cfg.bn, cfg.stages, cfg.split_k) == (*tile, 1) and we.few_tiles(128, n, cfg)
+        assert (cfg.bm, cfg.bn, cfg.stages, cfg.split_k) == (*tile, 1) and 128 // cfg.bm * (n // cfg.bn) <= wp.SM_COUNT  # one wave
         many = we.default_config(4096, n, k, plain)
         assert not we.few_tiles(4096, n, many) and many.split_k == 1 and many.stages <= 4 and many.bm == 128
+    assert (we.default_config(512, 3072, 768, plain).bm, we.default_config(256, 3072, 768, plain).bn) == (128, 128)  # over a wave
     spec = wp.PostNorm.suite()
+    stats = sn.config(512, 768, 768, spec)  # 96 tiles of 64 x 64 would not be few: its own on a deeper ring
+    assert (stats.bn, stats.stages, stats.split_k) == (128, wp.FEW_CTAS_STAGES, 1)
     assert wp.default_config(768, 128, 3072, spec).stages == wp.FEW_CTAS_STAGES
     assert wp.default_config(768, 4096, 3072, spec).stages <= 4
 

@@ -319,18 +319,23 @@ def split_config(m: int, n: int, k: int, spec: Elementwise, cfg: WgmmaConfig) ->
     ``WgmmaConfig.split_k``) that leave each at least :data:`SPLIT_MIN_K` of K and the grid one
     wave (as many clusters as run at once: a post-norm's one-kernel form needs every CTA
     resident), on the deepest ring (up to :data:`~.wgmma_postnorm.FEW_CTAS_STAGES`) that fits beside rank 0's
-    gathered partials; without a split, only where the 64 x 64 tiles are still few. Measured on
-    the H100 (session 32, ``experiments/small_m.py``, w cold in L2 as in a model, device us):
+    gathered partials; without a split, where the 64 x 64 tiles are one wave at most (a
+    post-norm's split GEMM, ``spec.stats``: only where they are still few, since its tile count
+    also routes the group between the cluster kernel and the one-kernel split form,
+    :func:`~tvm_comfuse.transform.offload_hopper.fills_a_wave`, measured at 4096 rows only).
+    Measured on the H100 (``experiments/small_m.py``, w cold in L2 as in a model, device us):
     BERT-base's FFN2 post-norm at 128 rows (128 x 3072 -> 768) 10.3 on 4-way split-K against
     the cluster kernel's 18.3 (torch.compile 10.1); its Q/K/V GEMM (128 x 768 -> 768) 3.9 on
-    8-stage 64 x 64 tiles against the default's 64 x 128 on 4 stages, 5.3 (cuBLAS 3.8)."""
+    8-stage 64 x 64 tiles against the default's 64 x 128 on 4 stages, 5.3 (cuBLAS 3.8; session
+    32); its FFN1 GEMM (128 x 768 -> 3072, 96 such tiles) 4.4 on them against 4.8 on 8-stage
+    64 x 128 tiles in session 32 and 4.42 against 4.77 in session 34 (cuBLAS 4.79)."""
     if not few_tiles(m, n, cfg) or n % 64:
         return None
     tiles = _padded(m, 64) // 64 * (n // 64)
     for split in (8, 4, 2, 1):
         if k % (split * 64) or k // split < min(SPLIT_MIN_K, k) or tiles * split > SM_COUNT or split > 1 and tiles > ACTIVE_CLUSTERS[split]:
             continue
-        if split == 1 and not few_ctas(tiles):
+        if split == 1 and not few_ctas(tiles) and (spec.stats or tiles > SM_COUNT):
             return None
         found = _deepest(m, n, k, spec, WgmmaConfig(64, 64, 2, 64, split_k=split), 2)
         if found is not None:
