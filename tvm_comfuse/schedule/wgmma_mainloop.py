@@ -137,7 +137,7 @@ class WgmmaConfig:
     #: times over at 16384 x 256 -> 1024, where A is the ring's only operand (a resident W) and the
     #: kernel ran as fast on the H200 as on the H100, whose HBM is 30% slower (sessions 22, 30).
     #: Measured slower at all seven shapes tried (H100, session 34, ``experiments/multicast.py``):
-    #: 38.5 against 36.3 us there, 0.8-35% elsewhere; each slot now waits for the slowest rank's
+    #: 38.5 against 36.3 us there, 0.7-27% elsewhere; each slot now waits for the slowest rank's
     #: release. Correct (GPU tests), opt-in, not in the tuning space.
     multicast: bool = False
 
