@@ -163,7 +163,7 @@ def test_offloaded_bert_layer_keeps_both_outputs_of_the_attention_block():
     """An imported BERT layer: both LayerNorm groups are taken, the attention one returning the
     float32 norm beside its fp16 cast (the kernel's second output), and the encoder's output
     matches vanilla TVM's (within its fp16 accumulation), with each group run split too, to
-    within 1e-3 of the post-norm kernel (its chain ends in an fp32 residual add, which the split
+    within 1e-2 of the post-norm kernel (its chain ends in an fp32 residual add, which the split
     GEMM must apply: session 17 first dropped it): the attention's group, with its second output,
     as the GEMM and norm kernels, the other as one kernel (one wave of tiles covers its rows).
     Not closer than 1e-2: the attention group's float32 norm, computed in another order split,

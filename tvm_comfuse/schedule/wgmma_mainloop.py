@@ -333,7 +333,7 @@ class Ring:
                 else:
                     for q in T.unroll(ranks):
                         T.ptx["mapa.shared::cluster.u32"](peer[0], T.cuda.cvta_generic_to_shared(empty.ptr_to([step % st])), T.uint32(q))
-                        T.ptx["mbarrier.arrive.shared::cluster.b64"](peer[0], T.uint32(1))  # (release.cta, as CUTLASS: .cluster fences the GPU)
+                        T.ptx["mbarrier.arrive.shared::cluster.b64"](peer[0], T.uint32(1))  # (release.cta, as CUTLASS: .cluster fences the GPU, 1.8-13x slower)
 
         return release
 
