@@ -141,6 +141,10 @@ class WgmmaConfig:
     #: release. Correct (GPU tests), opt-in, not in the tuning space.
     multicast: bool = False
 
+    def loading_ranks(self, ranks: int) -> int:
+        """CTAs of a ``ranks``-CTA cluster that share each A tile's load: all with :attr:`multicast`, else one."""
+        return ranks if self.multicast else 1
+
     @property
     def slot_readers(self) -> int:
         """Consumer warpgroups that read each ring slot: those of one tile."""
@@ -397,7 +401,7 @@ def mainloop(cfg: WgmmaConfig, k: int, dtype: str, during=None, ranks: int = 1):
     mma = f"wgmma.mma_async.sync.aligned.m64n{wg_cols}k16.f32.{_PTX_TYPE[dtype]}.{_PTX_TYPE[dtype]}"
     sbo = 8 * bk * 2 >> 4  # 8 swizzled rows between core-matrix groups, in 16-byte units
     a_box, b_box = box_rows(bm), box_rows(bn)
-    ranks = ranks if cfg.multicast else 1
+    ranks = cfg.loading_ranks(ranks)
     ring = Ring(st, cfg.consumers, ranks)
     acquire, wait, release = ring.acquire(), ring.wait(), ring.release()
     a_part, mask = bm // ranks, (1 << ranks) - 1  # with multicast: a rank's rows of A, and every rank

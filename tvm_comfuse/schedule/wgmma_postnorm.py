@@ -467,7 +467,7 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
     staged_elems = stg.smem_bytes(cfg) // 2
     produce, consume = mainloop(cfg, k, spec.dtype, ranks=ranks)
     load_w = load_resident(cfg, k)
-    init = Ring(cfg.stages, cfg.slot_readers, ranks if cfg.multicast else 1).init()
+    init = Ring(cfg.stages, cfg.slot_readers, cfg.loading_ranks(ranks)).init()
     producer, consumer = roles(cfg)
     sync = consumer_sync(cfg)
     pingpong, turns = cfg.pingpong, groups(cfg)
@@ -478,8 +478,7 @@ def wgmma_postnorm(m: int, n: int, k: int, spec: PostNorm = PostNorm(), cfg: Wgm
     shape2 = [(m, n) if tile else (n,) for _, tile in spec.operands]
     # tensor maps: the GEMM's operands in the ring's boxes, the staged tiles in 64 x 64 boxes
     # (with multicast, a rank loads its share of the rows of x's tile for the whole cluster)
-    x_box = bm // ranks if cfg.multicast else box_rows(bm)
-    maps = {"x": tensor_map(m, k, x_box, cfg.bk, spec.dtype), "w": tensor_map(n, k, box_rows(slice_n), cfg.bk, spec.dtype)}
+    maps = {"x": tensor_map(m, k, box_rows(bm // cfg.loading_ranks(ranks)), cfg.bk, spec.dtype), "w": tensor_map(n, k, box_rows(slice_n), cfg.bk, spec.dtype)}
     maps.update({f"p{j}": tensor_map(m, n, 64, BOX_COLS, spec.operands[j][0]) for j in stg.tiles})
     if stg.store:
         maps["out"] = tensor_map(m, n, 64, BOX_COLS, spec.out_dtype)
